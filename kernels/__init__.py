@@ -1,0 +1,6 @@
+"""Attention and KV cache kernels: CUDA C via CuPy on GPUs, a torch reference everywhere."""
+
+from kernels.attention import select_backend, write_kv_and_attend
+from kernels.attention_metadata import AttentionMetadata
+
+__all__ = ["AttentionMetadata", "select_backend", "write_kv_and_attend"]

@@ -1,0 +1,40 @@
+"""The one attention entry point the model calls: write new K/V, then paged attention.
+
+The backend is chosen by the cache's device: CUDA tensors go to the CuPy kernels when CuPy is
+installed, everything else to the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import torch_reference
+from kernels.attention_metadata import AttentionMetadata
+
+
+def write_kv_and_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """query [T, H_q, D], key/value [T, H_kv, D], kv_cache [2, N, block_size, H_kv, D].
+
+    Writes key/value through `metadata.slot_mapping`, then returns attention output [T, H_q, D]
+    over each request's cached context plus its new tokens.
+    """
+    backend = select_backend(kv_cache.device)
+    backend.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+    return backend.paged_attention(query, kv_cache, metadata, scale)
+
+
+def select_backend(device: torch.device):
+    """Returns a module with `reshape_and_cache` and `paged_attention` for this device."""
+    if device.type == "cuda":
+        from kernels import cuda_backend
+
+        if cuda_backend.is_available():
+            return cuda_backend
+    return torch_reference

@@ -1,0 +1,36 @@
+"""Per-step inputs of paged attention, built once per step by the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes one varlen batch of query tokens over a paged KV cache.
+
+    Shapes (T scheduled tokens, B requests):
+    - `slot_mapping` int64 [T]: cache slot of each new token
+      (`block_table[r, pos // block_size] * block_size + pos % block_size`), -1 = skip.
+    - `block_table` int32 [B, max_blocks_per_req]: physical block ids, row r for request r.
+    - `seq_lens` int32 [B]: tokens in the cache for request r after this step's write
+      (context + new tokens).
+    - `query_start_loc` int32 [B + 1]: request r's query tokens are rows
+      `query_start_loc[r]:query_start_loc[r + 1]` of q.
+    Invariant: query token i of request r (0-based within its query) sits at position
+    `seq_lens[r] - q_len[r] + i` and sees keys 0..that position (bottom-right causal mask).
+    `max_query_len` / `max_seq_len` are host-side ints so kernels can size grids without a sync.
+    """
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])

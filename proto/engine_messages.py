@@ -1,0 +1,126 @@
+"""Messages on the frontend <-> engine core link.
+
+Frontend -> core (ROUTER -> DEALER): `EngineCoreRequest`, `AbortRequests`, `UtilityRequest`.
+Core -> frontend (PUSH -> PULL): `EngineReady` once, then `EngineCoreOutputs` per step and
+`UtilityResponse` answers.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from proto.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped; `str()` gives the OpenAI spelling."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort", "error")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request sent in full once. Token ids only: the frontend tokenizes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+
+
+class AbortRequests(msgspec.Struct, array_like=True, gc=False):
+    request_ids: list[str]
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A call into the core that answers with one `UtilityResponse` carrying the same call_id.
+
+    method: "get_stats" | "reset_prefix_cache" | "ping".
+    """
+
+    call_id: int
+    method: str
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprob of one sampled token plus the top-N alternatives (N = SamplingParams.logprobs)."""
+
+    sampled_logprob: float
+    sampled_rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What happened to one request in one step.
+
+    `finish_reason is None` while the request runs. `error` is set with
+    `FinishReason.ERROR` (rejected prompt, dead worker) and says what went wrong.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
+    """A snapshot of the scheduler; prefix cache counters are cumulative, in tokens."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineReady(msgspec.Struct, array_like=True, gc=False):
+    """The core's first message: what the engine can hold."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class UtilityResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    stats: SchedulerStats | None = None
+    error: str | None = None
+
+
+class EngineDead(msgspec.Struct, array_like=True, gc=False):
+    """Sent by a dying core (e.g. a worker died) so clients fail fast instead of timing out."""
+
+    reason: str

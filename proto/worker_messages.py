@@ -1,0 +1,100 @@
+"""Messages on the engine core <-> worker link.
+
+Core -> workers (broadcast): `InitKVCache` once, then `SchedulerOutput` per step, `Shutdown`.
+Workers -> core: `WorkerReady` once (after model load and memory profiling), then rank 0's
+`ModelRunnerOutput` per step, or `WorkerError`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from proto.engine_messages import TokenLogprobs
+from proto.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers have not seen: sent in full exactly once."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A delta for a request the workers already hold.
+
+    `new_token_ids`: tokens appended to the request since the workers last saw it (the ones
+    sampled last step), so every rank has the same token history without sampling itself.
+    `new_block_ids`: appended to the request's block list, or when `resumed_from_preemption`
+    the request's whole new block list (its old blocks were freed at preemption).
+    """
+
+    req_id: str
+    num_computed_tokens: int
+    new_block_ids: list[int] = msgspec.field(default_factory=list)
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
+    resumed_from_preemption: bool = False
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's plan. Requests run in the order new-then-cached as listed here.
+
+    Invariant: `total_num_scheduled_tokens == sum(num_scheduled_tokens.values())`, and each key
+    of `num_scheduled_tokens` names exactly one entry of `scheduled_new_reqs` or
+    `scheduled_cached_reqs`. Requests held by a worker but absent from this step (preempted, or
+    simply not scheduled) stay cached on the worker until listed in `finished_req_ids`.
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = msgspec.field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Sampled tokens, one list per request that finished its prompt this step.
+
+    `req_ids[i]` got `sampled_token_ids[i]`; a request still in the middle of a chunked prefill
+    gets an empty list (its sample is discarded). `logprobs[i]` is set iff the request asked.
+    """
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    sampled_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class WorkerReady(msgspec.Struct, array_like=True, gc=False):
+    """A worker loaded its model and measured how many KV blocks fit on its device."""
+
+    rank: int
+    num_gpu_blocks: int
+    max_model_len: int
+    device: str
+
+
+class InitKVCache(msgspec.Struct, array_like=True, gc=False):
+    """Allocate exactly this many KV blocks (the minimum over ranks, or the override)."""
+
+    num_gpu_blocks: int
+
+
+class KVCacheReady(msgspec.Struct, array_like=True, gc=False):
+    rank: int
+
+
+class Shutdown(msgspec.Struct, array_like=True, gc=False):
+    pass
+
+
+class WorkerError(msgspec.Struct, array_like=True, gc=False):
+    rank: int
+    message: str
