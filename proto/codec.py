@@ -76,9 +76,7 @@ class MessageDecoder:
         accepted: Sequence[type[msgspec.Struct]],
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        self._decoders = {
-            TYPE_TO_CODE[t]: msgspec.msgpack.Decoder(t) for t in accepted
-        }
+        self._decoders = {TYPE_TO_CODE[t]: msgspec.msgpack.Decoder(t) for t in accepted}
         self.max_frame_bytes = max_frame_bytes
 
     def decode(self, frames: Sequence[bytes | memoryview]) -> msgspec.Struct:

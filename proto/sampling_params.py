@@ -37,7 +37,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
         _check(self.n >= 1, f"n must be at least 1, got {self.n}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0 or self.top_k == -1, f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        _check(
+            self.top_k >= 0 or self.top_k == -1,
+            f"top_k must be >= 0 (0 disables), got {self.top_k}",
+        )
         if self.top_k == -1:
             self.top_k = 0
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")

@@ -1,0 +1,363 @@
+"""Continuous-batching scheduler (vLLM V1 semantics): one token budget per step, no phases."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from core.request import Request, RequestStatus
+from core.request_queue import create_request_queue
+from core.scheduler_config import SchedulerConfig
+from proto import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+__all__ = ["Scheduler", "SchedulerConfig"]
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` call decided, before it is turned into a SchedulerOutput."""
+
+    token_budget: int
+    new_reqs: list[Request]
+    resumed_reqs: list[Request]
+    running_reqs: list[Request]
+    preempted_reqs: list[Request]
+    num_scheduled_tokens: dict[str, int]
+    req_to_new_blocks: dict[str, KVCacheBlocks]
+
+
+class Scheduler:
+    """Decides each step which requests run and on how many tokens.
+
+    Each request has `num_computed_tokens` and `num_tokens`; a step hands out tokens from
+    `max_num_batched_tokens`, running requests first (in order), then waiting ones (up to
+    `max_num_seqs` running). Prompts are chunked by the budget and by
+    `long_prefill_token_threshold`. When KV blocks run out, the last running request (FCFS)
+    or the lowest-priority one is preempted by recompute, and no waiting request is admitted
+    in that step. `num_computed_tokens` is advanced when a step is scheduled.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks=config.num_gpu_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self._num_tokens_sent: dict[str, int] = {}
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request. Raises ValueError, leaving the scheduler untouched, for a request
+        that can never run (empty prompt, prompt longer than max_model_len, duplicate id)."""
+        problem = self._find_rejection(request)
+        if problem is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            raise ValueError(problem)
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+        self.num_prompt_tokens += request.num_prompt_tokens
+
+    def _find_rejection(self, request: Request) -> str | None:
+        if request.request_id in self.requests:
+            return f"request id {request.request_id!r} is already in use"
+        if request.num_prompt_tokens == 0:
+            return "the prompt is empty: at least 1 token is needed"
+        if request.num_prompt_tokens > self.max_model_len:
+            return (
+                f"the prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        if request.block_size != self.config.block_size:
+            return f"request block_size {request.block_size} != engine block_size {self.config.block_size}"
+        return None
+
+    def finish_requests(self, request_ids: str | list[str], finished_status: RequestStatus) -> None:
+        """Finishes (e.g. aborts) requests wherever they are; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        to_finish = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        running = [r for r in to_finish if r.status == RequestStatus.RUNNING]
+        if running:
+            running_ids = {id(r) for r in running}
+            self.running = [r for r in self.running if id(r) not in running_ids]
+        self.waiting.remove_requests(r for r in to_finish if r.status != RequestStatus.RUNNING)
+        for request in to_finish:
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        self._num_tokens_sent.pop(request.request_id, None)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(self.config.max_num_batched_tokens, [], [], [], [], {}, {})
+        self._schedule_running(plan)
+        if not plan.preempted_reqs:
+            self._schedule_waiting(plan)
+        output = self._make_scheduler_output(plan)
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        self.num_steps += 1
+        return output
+
+    def _num_tokens_to_schedule(
+        self, request: Request, num_computed_tokens: int, budget: int
+    ) -> int:
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return min(num_new_tokens, budget)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_tokens_to_schedule(
+                request, request.num_computed_tokens, plan.token_budget
+            )
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if new_blocks is None:
+                break
+            plan.running_reqs.append(request)
+            plan.req_to_new_blocks[request.request_id] = new_blocks
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
+            # A preempted victim may have sat before this request; find where it is now.
+            index = self.running.index(request) + 1 if plan.preempted_reqs else index + 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: _StepPlan
+    ) -> KVCacheBlocks | None:
+        """Allocates for a running request, preempting others until it fits. Returns None if
+        the request itself had to be preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self._pick_preemption_victim()
+            self.running.remove(victim)
+            self._unschedule(victim, plan)
+            self._preempt(victim)
+            plan.preempted_reqs.append(victim)
+            if victim is request:
+                return None
+
+    def _pick_preemption_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running)
+        return self.running[-1]
+
+    def _unschedule(self, request: Request, plan: _StepPlan) -> None:
+        """Undoes this step's scheduling of a request preempted later in the same step."""
+        num_tokens = plan.num_scheduled_tokens.pop(request.request_id, None)
+        if num_tokens is None:
+            return
+        plan.token_budget += num_tokens
+        plan.running_reqs.remove(request)
+        plan.req_to_new_blocks.pop(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.token_budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek_request()
+            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(
+                request
+            )
+            num_new_tokens = self._num_tokens_to_schedule(
+                request, num_computed_tokens, plan.token_budget
+            )
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_computed_tokens, computed_blocks
+            )
+            if new_blocks is None:
+                break
+            self.waiting.pop_request()
+            self.running.append(request)
+            if request.status == RequestStatus.PREEMPTED:
+                plan.resumed_reqs.append(request)
+            else:
+                plan.new_reqs.append(request)
+            plan.req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
+                request.request_id
+            )
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_computed_tokens
+
+    def _make_scheduler_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs_data = [self._new_request_data(r, plan) for r in plan.new_reqs]
+        cached_reqs_data = [
+            self._cached_request_data(r, plan, resumed=True) for r in plan.resumed_reqs
+        ] + [self._cached_request_data(r, plan, resumed=False) for r in plan.running_reqs]
+        finished_req_ids = list(self.finished_req_ids)
+        self.finished_req_ids.clear()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=[r.request_id for r in plan.preempted_reqs],
+        )
+
+    def _new_request_data(self, request: Request, plan: _StepPlan) -> NewRequestData:
+        self._num_tokens_sent[request.request_id] = request.num_prompt_tokens
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=plan.req_to_new_blocks[request.request_id].get_block_ids(),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _cached_request_data(
+        self, request: Request, plan: _StepPlan, resumed: bool
+    ) -> CachedRequestData:
+        num_tokens_sent = self._num_tokens_sent[request.request_id]
+        self._num_tokens_sent[request.request_id] = request.num_tokens
+        return CachedRequestData(
+            req_id=request.request_id,
+            num_computed_tokens=request.num_computed_tokens,
+            new_block_ids=plan.req_to_new_blocks[request.request_id].get_block_ids(),
+            new_token_ids=request.all_token_ids[num_tokens_sent:],
+            resumed_from_preemption=resumed,
+        )
+
+    # ---- results of a step ---------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Appends sampled tokens, applies stop conditions and frees finished requests.
+
+        Tokens for requests that were aborted while the step ran are dropped.
+        """
+        outputs = []
+        stopped_ids = set()
+        logprobs = model_runner_output.logprobs
+        for index, request_id in enumerate(model_runner_output.req_ids):
+            sampled_token_ids = model_runner_output.sampled_token_ids[index]
+            request = self.requests.get(request_id)
+            if not sampled_token_ids or request is None or request.is_finished():
+                continue
+            new_token_ids = self._append_until_stop(request, sampled_token_ids)
+            self.num_generation_tokens += len(new_token_ids)
+            token_logprobs = logprobs[index] if logprobs is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.get_finished_reason(),
+                    new_logprobs=[token_logprobs] if token_logprobs is not None else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                )
+            )
+            if request.is_finished():
+                stopped_ids.add(request_id)
+                self._free_request(request)
+        if stopped_ids:
+            self.running = [r for r in self.running if r.request_id not in stopped_ids]
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.get_stats(), timestamp=time.time()
+        )
+
+    def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
+        new_token_ids = []
+        for token_id in sampled_token_ids:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            if self._check_stop(request):
+                break
+        return new_token_ids
+
+    def _check_stop(self, request: Request) -> bool:
+        """Sets a finished status if the request's last token ends it.
+
+        Length limits first (max_tokens, max_model_len); below min_tokens nothing else stops
+        the request; then eos (unless ignore_eos) and stop_token_ids.
+        """
+        params = request.sampling_params
+        max_tokens = request.max_tokens
+        if request.num_tokens >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens >= max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last_token_id = request.output_token_ids[-1]
+        if not params.ignore_eos and last_token_id == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last_token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token_id
+            return True
+        return False
+
+    def get_stats(self) -> SchedulerStats:
+        prefix_stats = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix_stats.queries,
+            prefix_cache_hits=prefix_stats.hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,52 @@
+"""The scheduler's one flat, frozen, self-validating config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.single_type_kv_cache_manager import cdiv
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one scheduling step and of the KV pool.
+
+    `long_prefill_token_threshold` caps the tokens one prompt gets per step (0 = only the
+    budget caps it), so a long prompt cannot starve running decodes.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        _positive("block_size", self.block_size)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        num_blocks_per_max_len_request = cdiv(self.max_model_len, self.block_size)
+        if self.num_gpu_blocks - 1 < num_blocks_per_max_len_request:
+            raise ValueError(
+                f"num_gpu_blocks={self.num_gpu_blocks} cannot hold one request of max_model_len="
+                f"{self.max_model_len} tokens ({num_blocks_per_max_len_request} blocks of "
+                f"{self.block_size} plus the null block); lower max_model_len or give the KV "
+                "cache more memory"
+            )
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")

@@ -1,0 +1,142 @@
+"""`EngineConfig`: the one flat, validated configuration the frontend hands to the engine core.
+
+It crosses process boundaries twice (frontend -> core -> workers) as base64 msgpack on the
+child's command line, so it lives in `proto/`. Every instance has passed `__post_init__`,
+whether built in Python, decoded from argv, or assembled from CLI flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+from typing import Any
+
+import msgspec
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16")
+POLICIES = ("fcfs", "priority")
+NULL_MODEL = "null"
+MIN_FRAME_BYTES = 4096
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What to serve and how big the engine may get.
+
+    model: a Hugging Face folder or GGUF file; None = the default SmolLM2-135M-Instruct GGUF;
+    "null" = the model-free NullWorker (tests, IPC benchmarks).
+    max_model_len: None = the model's own context length (the minimum over workers).
+    num_gpu_blocks_override: use exactly this many KV blocks instead of what workers measured.
+    *_timeout_s: every wait for another process is bounded by one of these.
+    max_frame_bytes: incoming frames larger than this are refused on every socket.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    seed: int = 0
+    startup_timeout_s: float = 300.0
+    step_timeout_s: float = 300.0
+    shutdown_timeout_s: float = 5.0
+    max_frame_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        _check(
+            self.dtype is None or self.dtype in DTYPES,
+            f"dtype must be None or one of {DTYPES}, got {self.dtype!r}",
+        )
+        _check(
+            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            f"block_size must be a power of two, got {self.block_size}",
+        )
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be at least 1, got {self.max_model_len}",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+            "num_gpu_blocks_override must be at least 2 (block 0 is reserved), "
+            f"got {self.num_gpu_blocks_override}",
+        )
+        _check(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}",
+        )
+        _check(
+            self.long_prefill_token_threshold >= 0,
+            f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
+        )
+        _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("startup_timeout_s", "step_timeout_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            _check(value > 0, f"{name} must be positive, got {value}")
+        _check(
+            self.max_frame_bytes >= MIN_FRAME_BYTES,
+            f"max_frame_bytes must be at least {MIN_FRAME_BYTES}, got {self.max_frame_bytes}",
+        )
+
+    @property
+    def is_null_model(self) -> bool:
+        return self.model == NULL_MODEL
+
+    def to_b64(self) -> str:
+        """Base64 msgpack, safe to pass as one argv element."""
+        return base64.b64encode(msgspec.msgpack.encode(self)).decode("ascii")
+
+    @classmethod
+    def from_b64(cls, text: str) -> EngineConfig:
+        """Inverse of `to_b64`; raises ValueError on anything that is not a valid config."""
+        try:
+            return msgspec.msgpack.decode(base64.b64decode(text, validate=True), type=cls)
+        except (ValueError, msgspec.DecodeError) as exc:
+            raise ValueError(f"invalid encoded EngineConfig: {exc}") from exc
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Adds one `--field-name` flag per field (default: unset, so the config default wins)."""
+        for field in msgspec.structs.fields(cls):
+            flag = "--" + field.name.replace("_", "-")
+            if field.type is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                parser.add_argument(flag, default=None, metavar=field.name.upper())
+
+    @classmethod
+    def from_cli_args(
+        cls, args: argparse.Namespace, base: EngineConfig | None = None
+    ) -> EngineConfig:
+        """`base` (or the defaults) with every flag the user set applied; "none" unsets a field."""
+        values: dict[str, Any] = msgspec.structs.asdict(base) if base is not None else {}
+        for field in msgspec.structs.fields(cls):
+            value = getattr(args, field.name, None)
+            if value is not None:
+                values[field.name] = None if value in ("none", "None") else value
+        try:
+            return msgspec.convert(values, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid engine option: {exc}") from exc
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
