@@ -1,0 +1,125 @@
+"""InputBatch: rows added into holes, removed, condensed with all their state."""
+
+import numpy as np
+import pytest
+import torch
+
+from proto import SamplingParams
+from worker.input_batch import CachedRequestState, InputBatch
+
+CPU = torch.device("cpu")
+
+
+def make_batch(max_num_reqs: int = 4, max_model_len: int = 16, eos: tuple = (2,)) -> InputBatch:
+    return InputBatch(max_num_reqs, max_model_len, block_size=4, device=CPU, eos_token_ids=eos)
+
+
+def make_state(
+    req_id: str, prompt: list[int], block_ids: list[int], **params
+) -> CachedRequestState:
+    generator = None
+    if params.get("seed") is not None:
+        generator = torch.Generator().manual_seed(params["seed"])
+    return CachedRequestState(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(**params),
+        block_ids=block_ids,
+        num_computed_tokens=0,
+        generator=generator,
+    )
+
+
+def test_add_fills_rows_in_order_and_records_tokens():
+    batch = make_batch()
+    assert batch.add_request(make_state("a", [5, 6, 7], [1])) == 0
+    assert batch.add_request(make_state("b", [8], [2])) == 1
+    assert batch.num_reqs == 2
+    assert batch.token_ids[0, :3].tolist() == [5, 6, 7]
+    assert batch.num_tokens[:2].tolist() == [3, 1]
+    assert batch.num_prompt_tokens[:2].tolist() == [3, 1]
+
+
+def test_add_restores_output_tokens_of_a_known_request():
+    batch = make_batch()
+    state = make_state("a", [5, 6], [1])
+    state.output_token_ids = [9, 10]
+    row = batch.add_request(state)
+    assert batch.token_ids[row, :4].tolist() == [5, 6, 9, 10]
+    assert batch.num_prompt_tokens[row] == 2
+
+
+def test_remove_leaves_hole_that_next_add_fills():
+    batch = make_batch()
+    for name in "abc":
+        batch.add_request(make_state(name, [1], [1]))
+    assert batch.remove_request("b") == 1
+    assert batch.req_ids[:3] == ["a", None, "c"]
+    assert batch.remove_request("missing") is None
+    assert batch.add_request(make_state("d", [1], [1])) == 1
+
+
+def test_condense_moves_last_rows_into_holes_with_all_state():
+    batch = make_batch()
+    batch.add_request(make_state("a", [1, 1], [1]))
+    batch.add_request(make_state("b", [2], [2]))
+    batch.add_request(make_state("c", [3, 3, 3], [3, 4], temperature=0.5, top_k=7, seed=11))
+    batch.add_request(make_state("d", [4], [5], top_p=0.5, min_p=0.1))
+    batch.remove_request("a")
+    batch.remove_request("b")
+    batch.condense()
+
+    assert batch.req_ids == ["d", "c", None, None]
+    assert batch.req_id_to_row == {"d": 0, "c": 1}
+    assert batch.token_ids[1, :3].tolist() == [3, 3, 3]
+    assert batch.num_tokens[:2].tolist() == [1, 3]
+    assert batch.block_table.block_table_np[1, :2].tolist() == [3, 4]
+    assert batch.block_table.num_blocks_per_row.tolist() == [1, 2, 0, 0]
+    assert batch.temperature[1] == pytest.approx(0.5) and batch.top_k[1] == 7
+    assert batch.top_p[0] == pytest.approx(0.5) and batch.min_p[0] == pytest.approx(0.1)
+    assert set(batch.generators) == {1}
+    assert batch.add_request(make_state("e", [1], [1])) == 2
+
+
+def test_condense_without_holes_is_a_no_op():
+    batch = make_batch()
+    batch.add_request(make_state("a", [1], [1]))
+    batch.add_request(make_state("b", [2], [2]))
+    batch.condense()
+    assert batch.req_ids[:2] == ["a", "b"]
+
+
+def test_append_past_max_model_len_raises():
+    batch = make_batch(max_model_len=4)
+    row = batch.add_request(make_state("a", [1, 2, 3], [1]))
+    batch.append_token_ids(row, [4])
+    with pytest.raises(ValueError, match="5 tokens, more than max_model_len=4"):
+        batch.append_token_ids(row, [5])
+
+
+def test_full_batch_raises():
+    batch = make_batch(max_num_reqs=1)
+    batch.add_request(make_state("a", [1], [1]))
+    with pytest.raises(ValueError, match="max_num_reqs=1"):
+        batch.add_request(make_state("b", [1], [1]))
+
+
+def test_sampling_metadata_follows_requested_rows():
+    batch = make_batch()
+    batch.add_request(make_state("a", [1], [1], temperature=0.0))
+    batch.add_request(make_state("b", [1], [1], temperature=0.7, top_k=3, seed=5, logprobs=2))
+    meta = batch.sampling_metadata(np.array([1, 0]))
+    assert meta.temperature.tolist() == pytest.approx([0.7, 0.0])
+    assert meta.top_k.tolist() == [3, 0]
+    assert list(meta.generators) == [0]
+    assert meta.num_logprobs == [2, None]
+
+
+def test_stop_tokens_banned_until_min_tokens():
+    batch = make_batch(eos=(2,))
+    row = batch.add_request(make_state("a", [1], [1], min_tokens=2, stop_token_ids=[9]))
+    batch.add_request(make_state("b", [1], [1], min_tokens=2, ignore_eos=True))
+    meta = batch.sampling_metadata(np.array([row, 1]))
+    assert meta.banned_token_ids == {0: [9, 2]}
+    batch.append_token_ids(row, [4, 5])
+    assert batch.sampling_metadata(np.array([row])).banned_token_ids == {}

@@ -1,0 +1,92 @@
+"""Physical KV block ids of every request in the persistent batch, and slot mapping from them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class BlockTable:
+    """Rows of physical block ids, one row per batch slot, kept on the host and mirrored to a device.
+
+    Invariants: `block_table_np[row, :num_blocks_per_row[row]]` are the row's block ids in
+    logical order (block i holds positions `i * block_size ... (i + 1) * block_size - 1`); entries
+    past `num_blocks_per_row[row]` are stale and never read. The device tensor is only valid for
+    the rows passed to the last `commit`.
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.block_size = block_size
+        self.device = device
+        self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
+        self._block_table_cpu = torch.from_numpy(self.block_table_np)
+        if device.type == "cpu":
+            self._block_table_device = self._block_table_cpu
+        else:
+            self._block_table_device = torch.zeros(
+                (max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device
+            )
+
+    def add_row(self, block_ids: Sequence[int], row: int) -> None:
+        """Replaces the row's blocks with `block_ids` (a new or resumed request)."""
+        self.num_blocks_per_row[row] = 0
+        self.append_row(block_ids, row)
+
+    def append_row(self, block_ids: Sequence[int], row: int) -> None:
+        """Appends `block_ids` after the row's current blocks."""
+        if not block_ids:
+            return
+        start = int(self.num_blocks_per_row[row])
+        end = start + len(block_ids)
+        if end > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"request in row {row} would hold {end} KV blocks, more than the "
+                f"{self.max_num_blocks_per_req} that max_model_len allows"
+            )
+        self.block_table_np[row, start:end] = block_ids
+        self.num_blocks_per_row[row] = end
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copies row `src` into row `dst` (used when the batch is condensed)."""
+        num_blocks = int(self.num_blocks_per_row[src])
+        self.block_table_np[dst, :num_blocks] = self.block_table_np[src, :num_blocks]
+        self.num_blocks_per_row[dst] = num_blocks
+
+    def clear_row(self, row: int) -> None:
+        self.num_blocks_per_row[row] = 0
+
+    def compute_slot_mapping(self, req_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Cache slot of each token: `block_table[row, pos // block_size] * block_size + pos % block_size`.
+
+        `req_rows[i]` is token i's batch row and `positions[i]` its position in its request;
+        returns int64 of the same length. Raises if a position lies past the row's blocks.
+        """
+        block_indices = positions // self.block_size
+        if np.any(block_indices >= self.num_blocks_per_row[req_rows]):
+            bad = int(np.argmax(block_indices >= self.num_blocks_per_row[req_rows]))
+            raise ValueError(
+                f"position {int(positions[bad])} of the request in row {int(req_rows[bad])} has "
+                f"no KV block: the row holds {int(self.num_blocks_per_row[req_rows[bad]])} "
+                f"blocks of {self.block_size} tokens"
+            )
+        block_ids = self.block_table_np[req_rows, block_indices].astype(np.int64)
+        return block_ids * self.block_size + positions % self.block_size
+
+    def commit(self, num_reqs: int) -> torch.Tensor:
+        """Copies rows `0..num_reqs-1` to the device; returns int32 [num_reqs, max_num_blocks_per_req]."""
+        if self._block_table_device is not self._block_table_cpu:
+            self._block_table_device[:num_reqs].copy_(
+                self._block_table_cpu[:num_reqs], non_blocking=True
+            )
+        return self._block_table_device[:num_reqs]

@@ -1,0 +1,214 @@
+"""The persistent batch: per-request rows that survive across steps, updated from diffs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from proto import SamplingParams
+from worker.block_table import BlockTable
+from worker.sampler import SamplingMetadata
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """Everything the worker knows about one request, whether it is in the batch this step or not.
+
+    `output_token_ids` are the tokens the scheduler reported (CachedRequestData.new_token_ids),
+    never the worker's own samples, so every rank holds the same history.
+    `generator` is set iff the request has a seed; it lives as long as the request.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    """Rows of request state as numpy arrays, so per-step inputs are built without Python loops.
+
+    Invariants: `req_ids[row]` is None iff the row is a hole; `req_id_to_row` maps each occupied
+    row's id to its row; after `condense()` rows `0..num_reqs-1` are exactly the occupied ones.
+    `token_ids[row, :num_tokens[row]]` is the request's prompt followed by its output tokens;
+    `num_prompt_tokens[row] <= num_tokens[row] <= max_model_len`.
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
+
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_row: dict[str, int] = {}
+        self._num_rows = 0  # high-water mark: rows >= this are all holes
+
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.generators: dict[int, torch.Generator] = {}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add_request(self, state: CachedRequestState) -> int:
+        """Puts the request into the lowest free row and returns that row."""
+        if state.req_id in self.req_id_to_row:
+            raise ValueError(f"request {state.req_id!r} is already in the batch")
+        row = self._first_free_row()
+        self.req_ids[row] = state.req_id
+        self.req_id_to_row[state.req_id] = row
+        self._num_rows = max(self._num_rows, row + 1)
+
+        self.num_tokens[row] = 0
+        self.num_prompt_tokens[row] = len(state.prompt_token_ids)
+        self.append_token_ids(row, state.prompt_token_ids)
+        self.append_token_ids(row, state.output_token_ids)
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.block_table.add_row(state.block_ids, row)
+        self._set_sampling_params(row, state.sampling_params, state.generator)
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Empties the request's row, leaving a hole; returns the row, or None if absent."""
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return None
+        self.req_ids[row] = None
+        self.sampling_params[row] = None
+        self.generators.pop(row, None)
+        self.block_table.clear_row(row)
+        return row
+
+    def condense(self) -> None:
+        """Moves the last occupied rows into the holes so that rows 0..num_reqs-1 are occupied."""
+        num_reqs = self.num_reqs
+        last = self._num_rows - 1
+        for hole in range(num_reqs):
+            if self.req_ids[hole] is not None:
+                continue
+            while self.req_ids[last] is None:
+                last -= 1
+            self._move_row(last, hole)
+            last -= 1
+        self._num_rows = num_reqs
+
+    def append_token_ids(self, row: int, token_ids: Sequence[int]) -> None:
+        """Appends tokens to the row's history; raises past max_model_len."""
+        start = int(self.num_tokens[row])
+        end = start + len(token_ids)
+        if end > self.max_model_len:
+            raise ValueError(
+                f"request {self.req_ids[row]!r} would hold {end} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = end
+
+    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Sampling parameters of `rows` (in that order) as device tensors for the Sampler."""
+        row_list = rows.tolist()
+        params = [self.sampling_params[row] for row in row_list]
+        return SamplingMetadata(
+            temperature=self._to_device(self.temperature[rows]),
+            top_k=self._to_device(self.top_k[rows]),
+            top_p=self._to_device(self.top_p[rows]),
+            min_p=self._to_device(self.min_p[rows]),
+            generators={
+                i: self.generators[row] for i, row in enumerate(row_list) if row in self.generators
+            },
+            num_logprobs=[p.logprobs if p is not None else None for p in params],
+            banned_token_ids=self._banned_token_ids(row_list, params),
+        )
+
+    def _banned_token_ids(
+        self, rows: list[int], params: list[SamplingParams | None]
+    ) -> dict[int, list[int]]:
+        """Stop tokens are banned while a request has fewer than min_tokens outputs."""
+        banned: dict[int, list[int]] = {}
+        for i, (row, p) in enumerate(zip(rows, params, strict=True)):
+            if p is None or p.min_tokens == 0:
+                continue
+            num_output_tokens = int(self.num_tokens[row] - self.num_prompt_tokens[row])
+            if num_output_tokens >= p.min_tokens:
+                continue
+            stop_ids = list(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop_ids.extend(self.eos_token_ids)
+            if stop_ids:
+                banned[i] = stop_ids
+        return banned
+
+    def _first_free_row(self) -> int:
+        for row in range(self._num_rows):
+            if self.req_ids[row] is None:
+                return row
+        if self._num_rows >= self.max_num_reqs:
+            raise ValueError(f"the batch already holds max_num_reqs={self.max_num_reqs} requests")
+        return self._num_rows
+
+    def _set_sampling_params(
+        self, row: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> None:
+        self.sampling_params[row] = params
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        if generator is not None:
+            self.generators[row] = generator
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        assert req_id is not None and self.req_ids[dst] is None
+        self.req_ids[dst], self.req_ids[src] = req_id, None
+        self.req_id_to_row[req_id] = dst
+        num_tokens = int(self.num_tokens[src])
+        self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
+        for array in (
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+        ):
+            array[dst] = array[src]
+        self.sampling_params[dst], self.sampling_params[src] = self.sampling_params[src], None
+        generator = self.generators.pop(src, None)
+        if generator is not None:
+            self.generators[dst] = generator
+        self.block_table.move_row(src, dst)
+        self.block_table.clear_row(src)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -1,0 +1,165 @@
+"""Token sampling over a batch: greedy, temperature, min-p, top-k, top-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from proto import TokenLogprobs
+
+# Exponential draws are clamped away from 0 so that `probs / q` is never 0 / 0 (NaN wins argmax).
+_MIN_EXPONENTIAL = 1e-10
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling parameters of the N rows of a logits tensor, all on the logits' device.
+
+    `temperature` float32 [N] (0 = greedy), `top_k` int64 [N] (0 = off), `top_p` float32 [N]
+    (1 = off), `min_p` float32 [N] (0 = off). `generators[i]` is row i's own generator when its
+    request has a seed: a seeded row's draws depend only on that generator and that row's logits.
+    `num_logprobs[i]` is the number of top logprobs row i wants, or None for no logprobs.
+    `banned_token_ids[i]` lists tokens row i must not sample this step (eos before min_tokens).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    num_logprobs: list[int | None] = field(default_factory=list)
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """`sampled_token_ids` int64 [N]; `logprobs[i]` is set iff row i asked for logprobs."""
+
+    sampled_token_ids: torch.Tensor
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Samples one token per row of float32 logits [N, vocab].
+
+    Order of operations per row: banned tokens masked; greedy rows take the argmax; other rows
+    divide by temperature, drop tokens below `min_p * max_prob`, keep the `top_k` most likely,
+    keep the smallest prefix of those whose mass reaches `top_p`, then sample from what is left.
+    Logprobs are `log_softmax` of the logits as given (before temperature and filters); rank is
+    1 + the number of tokens with a strictly higher logprob.
+    """
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = _log_softmax_if_needed(logits, metadata)
+        logits = _mask_banned(logits, metadata.banned_token_ids)
+        sampled = logits.argmax(dim=-1)
+        is_greedy = metadata.temperature == 0.0
+        if not bool(is_greedy.all()):
+            random_sampled = self._sample_random(logits, metadata)
+            sampled = torch.where(is_greedy, sampled, random_sampled)
+        logprobs = _gather_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        temperature = torch.where(metadata.temperature == 0.0, 1.0, metadata.temperature)
+        logits = logits / temperature[:, None]
+        logits = _apply_min_p(logits, metadata.min_p)
+        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        return self._exponential_race(probs, metadata.generators)
+
+    def _exponential_race(
+        self, probs: torch.Tensor, generators: dict[int, torch.Generator]
+    ) -> torch.Tensor:
+        """argmax(probs / q) with q ~ Exp(1) samples from probs (the Gumbel-max trick)."""
+        q = torch.empty_like(probs).exponential_(generator=self._generator)
+        for row, generator in generators.items():
+            q[row].exponential_(generator=generator)
+        q.clamp_min_(_MIN_EXPONENTIAL)
+        return (probs / q).argmax(dim=-1)
+
+
+def _log_softmax_if_needed(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+    if all(n is None for n in metadata.num_logprobs):
+        return None
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _mask_banned(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -> torch.Tensor:
+    if not banned_token_ids:
+        return logits
+    logits = logits.clone()
+    for row, token_ids in banned_token_ids.items():
+        logits[row, token_ids] = float("-inf")
+    return logits
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below `min_p` times the row's highest probability."""
+    if not bool((min_p > 0.0).any()):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Keeps each row's `top_k` best tokens (0 = all), then the smallest best-first prefix whose
+    probability mass reaches `top_p`; the best token always survives. Ties break by sort order."""
+    use_top_k = bool((top_k > 0).any())
+    use_top_p = bool((top_p < 1.0).any())
+    if not (use_top_k or use_top_p):
+        return logits
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=logits.device)[None, :]
+    if use_top_k:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp_max(vocab_size)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    if use_top_p:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = (mass_before >= top_p[:, None]) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor | None, sampled: torch.Tensor, num_logprobs: list[int | None]
+) -> list[TokenLogprobs | None]:
+    if logprobs is None:
+        return [None] * int(sampled.shape[0])
+    max_num = max(n for n in num_logprobs if n is not None)
+    top_logprobs, top_ids = logprobs.topk(max_num, dim=-1) if max_num > 0 else (None, None)
+    sampled_logprobs = logprobs.gather(-1, sampled[:, None])
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+    sampled_logprobs_list = sampled_logprobs[:, 0].tolist()
+    ranks_list = ranks.tolist()
+    top_ids_list = top_ids.tolist() if top_ids is not None else None
+    top_logprobs_list = top_logprobs.tolist() if top_logprobs is not None else None
+    out: list[TokenLogprobs | None] = []
+    for row, n in enumerate(num_logprobs):
+        if n is None:
+            out.append(None)
+            continue
+        out.append(
+            TokenLogprobs(
+                sampled_logprob=sampled_logprobs_list[row],
+                sampled_rank=ranks_list[row],
+                top_token_ids=top_ids_list[row][:n] if n else [],
+                top_logprobs=top_logprobs_list[row][:n] if n else [],
+            )
+        )
+    return out
