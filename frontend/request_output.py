@@ -1,0 +1,53 @@
+"""What a caller of the engine gets back for one request: `RequestOutput` holding `CompletionOutput`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proto import TokenLogprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the `n` choices of a request.
+
+    In a streamed (delta) output, `text`, `token_ids` and `logprobs` hold only what is new since
+    the previous output of the same request; in a final output they hold the whole completion.
+    `text` never contains a matched stop string. `finish_reason` is None while the choice runs,
+    else "stop" | "length" | "abort" | "error"; `stop_reason` is the stop string or stop token id
+    that ended it (None for eos or length).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One update of a request: all its choices (final) or the ones that changed (delta).
+
+    `num_generated_tokens` counts every choice's tokens so far (the `completion_tokens` of
+    OpenAI usage); `num_cached_tokens` is how many prompt tokens the prefix cache supplied.
+    `error` is set when the engine failed the request (its choices finish with "error").
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
