@@ -1,0 +1,294 @@
+"""One scheduler step on one device: diff -> persistent batch -> model inputs -> forward -> sample."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kernels import AttentionMetadata
+from proto import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from worker.input_batch import CachedRequestState, InputBatch
+from worker.sampler import Sampler, SamplingMetadata
+
+
+class CausalLM(Protocol):
+    """What the runner needs from a model. `forward` writes K/V through `metadata.slot_mapping`."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Device inputs of one forward pass over T scheduled tokens of B batch rows.
+
+    `sample_rows` (host, ascending) are the batch rows whose scheduled range reaches the end of
+    their tokens, so they sample this step; `logits_indices[i]` is the last scheduled token of
+    `sample_rows[i]`.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_rows: np.ndarray
+    logits_indices: torch.Tensor
+
+
+class ModelRunner:
+    """Holds the per-request state and the persistent batch of one worker, and runs steps.
+
+    Contract: `execute_model` accepts the `SchedulerOutput` diffs of one scheduler in order.
+    Every request the scheduler lists as cached must have arrived as new before and not be
+    finished. A request held but not scheduled this step (preempted or skipped) leaves the batch
+    and keeps its state until it comes back or is listed in `finished_req_ids`.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        device: torch.device,
+        block_size: int,
+        max_model_len: int,
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.max_model_len = max_model_len
+        self.max_num_reqs = max_num_reqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            max_num_reqs, max_model_len, block_size, device, eos_token_ids=eos_token_ids
+        )
+        self.sampler = Sampler(device, seed=seed)
+        self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
+
+    def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        self.kv_caches = kv_caches
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step; returns one entry per scheduled request, in batch row order."""
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        if not self.kv_caches:
+            raise RuntimeError("execute_model called before initialize_kv_cache")
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden_states = self.model.forward(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
+        )
+        return self._sample(hidden_states, inputs)
+
+    @torch.inference_mode()
+    def dummy_forward(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> None:
+        """A forward of `num_tokens` prompt tokens plus sampling of `max_num_reqs` rows, writing
+        into the scratch `kv_caches` (which must hold `ceil(num_tokens / block_size)` blocks).
+        Used to measure peak activation memory; touches no request state."""
+        block_size = kv_caches[0].shape[2]
+        seq_len = min(num_tokens, self.max_model_len)
+        seq_lens = [seq_len] * (num_tokens // seq_len)
+        if num_tokens % seq_len:
+            seq_lens.append(num_tokens % seq_len)
+        positions = np.concatenate([self._arange[:n] for n in seq_lens])
+        max_blocks = -(-seq_len // block_size)
+        block_table = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
+        next_block = 0
+        for r, n in enumerate(seq_lens):
+            num_blocks = -(-n // block_size)
+            block_table[r, :num_blocks] = np.arange(next_block, next_block + num_blocks)
+            next_block += num_blocks
+        req_rows = np.repeat(np.arange(len(seq_lens)), seq_lens)
+        slots = block_table[req_rows, positions // block_size] * block_size + positions % block_size
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(slots.astype(np.int64)),
+            block_table=self._to_device(block_table),
+            seq_lens=self._to_device(np.array(seq_lens, dtype=np.int32)),
+            query_start_loc=self._to_device(np.cumsum([0, *seq_lens]).astype(np.int32)),
+            max_query_len=seq_len,
+            max_seq_len=seq_len,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden_states = self.model.forward(
+            input_ids, self._to_device(positions), kv_caches, metadata
+        )
+        num_rows = min(self.max_num_reqs, num_tokens)
+        logits = self.model.compute_logits(hidden_states[:num_rows])
+        self.sampler(logits, self._dummy_sampling_metadata(num_rows))
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in list(batch.req_id_to_row):
+            if req_id not in scheduled:
+                batch.remove_request(req_id)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self._add_new_request(new_req)
+        for cached_req in scheduler_output.scheduled_cached_reqs:
+            self._update_cached_request(cached_req)
+        batch.condense()
+
+    def _add_new_request(self, new_req: NewRequestData) -> None:
+        if new_req.req_id in self.requests:
+            self.input_batch.remove_request(new_req.req_id)
+        state = CachedRequestState(
+            req_id=new_req.req_id,
+            prompt_token_ids=list(new_req.prompt_token_ids),
+            sampling_params=new_req.sampling_params,
+            block_ids=list(new_req.block_ids),
+            num_computed_tokens=new_req.num_computed_tokens,
+            generator=self._make_generator(new_req.sampling_params.seed),
+        )
+        self.requests[new_req.req_id] = state
+        self.input_batch.add_request(state)
+
+    def _update_cached_request(self, cached_req: CachedRequestData) -> None:
+        state = self.requests.get(cached_req.req_id)
+        if state is None:
+            raise ValueError(
+                f"request {cached_req.req_id!r} was scheduled as cached but this worker never "
+                "received it as new (or it already finished)"
+            )
+        state.num_computed_tokens = cached_req.num_computed_tokens
+        state.output_token_ids.extend(cached_req.new_token_ids)
+        if cached_req.resumed_from_preemption:
+            state.block_ids = list(cached_req.new_block_ids)
+        else:
+            state.block_ids.extend(cached_req.new_block_ids)
+
+        batch = self.input_batch
+        row = batch.req_id_to_row.get(cached_req.req_id)
+        if row is None:
+            batch.add_request(state)
+            return
+        batch.append_token_ids(row, cached_req.new_token_ids)
+        batch.num_computed_tokens[row] = cached_req.num_computed_tokens
+        if cached_req.resumed_from_preemption:
+            batch.block_table.add_row(cached_req.new_block_ids, row)
+        else:
+            batch.block_table.append_row(cached_req.new_block_ids, row)
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_scheduled = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]],
+            dtype=np.int64,
+        )
+        num_tokens = int(num_scheduled.sum())
+        self._check_token_count(num_tokens, scheduler_output.total_num_scheduled_tokens)
+        cu_num_scheduled = np.cumsum(num_scheduled)
+        req_rows = np.repeat(self._arange[:num_reqs], num_scheduled)
+        offsets = self._arange[:num_tokens] - np.repeat(
+            cu_num_scheduled - num_scheduled, num_scheduled
+        )
+        num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
+        positions = num_computed[req_rows] + offsets
+        seq_lens = num_computed + num_scheduled
+        self._check_scheduled_tokens_exist(seq_lens, batch.num_tokens[:num_reqs])
+
+        input_ids = batch.token_ids[req_rows, positions].astype(np.int64)
+        slot_mapping = batch.block_table.compute_slot_mapping(req_rows, positions)
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            block_table=batch.block_table.commit(num_reqs),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            query_start_loc=self._to_device(
+                np.concatenate([[0], cu_num_scheduled]).astype(np.int32)
+            ),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        sample_rows = np.flatnonzero(
+            (seq_lens == batch.num_tokens[:num_reqs]) & (num_scheduled > 0)
+        )
+        return StepInputs(
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            metadata=metadata,
+            sample_rows=sample_rows,
+            logits_indices=self._to_device(cu_num_scheduled[sample_rows] - 1),
+        )
+
+    def _sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+        batch = self.input_batch
+        req_ids = [r for r in batch.req_ids[: batch.num_reqs] if r is not None]
+        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+        if len(inputs.sample_rows) == 0:
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids)
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        metadata = batch.sampling_metadata(inputs.sample_rows)
+        output = self.sampler(logits, metadata)
+        logprobs: list | None = None
+        if any(n is not None for n in metadata.num_logprobs):
+            logprobs = [None] * len(req_ids)
+        for i, (row, token_id) in enumerate(
+            zip(inputs.sample_rows.tolist(), output.sampled_token_ids.tolist(), strict=True)
+        ):
+            sampled_token_ids[row] = [token_id]
+            if logprobs is not None:
+                logprobs[row] = output.logprobs[i]
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs
+        )
+
+    def _check_token_count(self, num_tokens: int, expected: int) -> None:
+        if num_tokens != expected:
+            raise ValueError(
+                f"scheduler output lists {num_tokens} tokens per request but "
+                f"total_num_scheduled_tokens={expected}"
+            )
+        if num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"step schedules {num_tokens} tokens, more than "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+
+    def _check_scheduled_tokens_exist(self, seq_lens: np.ndarray, num_tokens: np.ndarray) -> None:
+        beyond = np.flatnonzero(seq_lens > num_tokens)
+        if len(beyond):
+            row = int(beyond[0])
+            raise ValueError(
+                f"request {self.input_batch.req_ids[row]!r} is scheduled up to token "
+                f"{int(seq_lens[row])} but holds only {int(num_tokens[row])} tokens"
+            )
+
+    def _make_generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    def _dummy_sampling_metadata(self, num_rows: int) -> SamplingMetadata:
+        ones = torch.ones(num_rows, device=self.device)
+        return SamplingMetadata(
+            temperature=ones,
+            top_k=torch.full((num_rows,), 50, dtype=torch.int64, device=self.device),
+            top_p=ones * 0.9,
+            min_p=ones * 0.05,
+            num_logprobs=[None] * num_rows,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)

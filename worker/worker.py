@@ -1,0 +1,234 @@
+"""`Worker`: one device's model, KV cache and model runner, driven one scheduler step at a time."""
+
+from __future__ import annotations
+
+import torch
+
+from proto import ModelRunnerOutput, SchedulerOutput
+from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
+from worker.model_runner import ModelRunner
+
+DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DEVICE_NAMES = ("auto", "cpu", "cuda")
+
+
+class Worker:
+    """Lifecycle: `load_model()` -> `determine_num_available_blocks()` -> `initialize_cache(n)`
+    -> `execute_model(scheduler_output)` per step.
+
+    `initialize_cache` may be called again to start over with a fresh KV cache and no request
+    state (the model stays loaded). With `world_size > 1` each rank holds a tensor-parallel
+    shard; `torch.distributed` is initialised from the environment (`MASTER_ADDR`,
+    `MASTER_PORT`) unless the caller already did it.
+    `kv_cache_memory_bytes` replaces the CPU KV budget (default min(4 GiB, 40% of MemAvailable)).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+    ) -> None:
+        _check_positive("block_size", block_size)
+        _check_positive("max_num_seqs", max_num_seqs)
+        _check_positive("max_num_batched_tokens", max_num_batched_tokens)
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.model_name = model
+        self.device = resolve_device(device, rank)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.rank = rank
+        self.world_size = world_size
+        self.block_size = block_size
+        self.requested_max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.seed = seed
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.model = None
+        self.model_config = None
+        self.model_runner: ModelRunner | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self._max_model_len: int | None = None
+
+    def load_model(self) -> None:
+        """Resolves the model path, loads this rank's weights, fixes max_model_len."""
+        from proto.model_files import resolve_model_path
+        from worker.model_loader import load_model
+
+        torch.manual_seed(self.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._init_distributed()
+        path = resolve_model_path(self.model_name)
+        self.model, self.model_config = load_model(
+            path, self.device, self.dtype, tp_rank=self.rank, tp_size=self.world_size
+        )
+        self._max_model_len = self._resolve_max_model_len()
+        self.model_runner = self._new_model_runner()
+
+    @property
+    def max_model_len(self) -> int:
+        """min(requested, the model's max_position_embeddings); known after load_model."""
+        if self._max_model_len is None:
+            raise RuntimeError("max_model_len is known only after load_model()")
+        return self._max_model_len
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.model_config is None:
+            raise RuntimeError("eos_token_ids are known only after load_model()")
+        return list(self.model_config.eos_token_ids)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held by this rank (replicated when there are fewer heads than ranks)."""
+        return max(1, self.model_config.num_key_value_heads // self.world_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block summed over layers: 2 (K, V) * block_size * heads * head_dim."""
+        config = self.model_config
+        elements = 2 * self.block_size * self.num_kv_heads * config.head_dim
+        return elements * config.num_hidden_layers * self.dtype.itemsize
+
+    def determine_num_available_blocks(self) -> int:
+        """How many KV blocks fit: measured on CUDA after a dummy step, budgeted on CPU."""
+        self._require_loaded()
+        if self.device.type == "cuda":
+            budget = cuda_kv_cache_bytes(
+                self.device, self.gpu_memory_utilization, self._profile_peak_step
+            )
+        else:
+            budget = cpu_kv_cache_bytes(self.kv_cache_memory_bytes)
+        return budget // self.bytes_per_block
+
+    def initialize_cache(self, num_gpu_blocks: int) -> None:
+        """Allocates per layer [2, num_gpu_blocks, block_size, num_kv_heads, head_dim] and a fresh
+        model runner (no request state)."""
+        self._require_loaded()
+        if num_gpu_blocks < 2:
+            raise ValueError(
+                f"num_gpu_blocks must be at least 2 (block 0 is the null block), got {num_gpu_blocks}"
+            )
+        self.kv_caches = []
+        self.model_runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.kv_caches = self._allocate_kv_caches(num_gpu_blocks)
+        self.model_runner = self._new_model_runner()
+        self.model_runner.initialize_kv_cache(self.kv_caches)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.model_runner is None or not self.kv_caches:
+            raise RuntimeError("execute_model called before initialize_cache()")
+        return self.model_runner.execute_model(scheduler_output)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        config = self.model_config
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, config.head_dim)
+        # On CPU, untouched pages of an empty tensor cost no memory; attention reads only
+        # slots it wrote, so garbage in unused slots is never seen.
+        allocate = torch.zeros if self.device.type == "cuda" else torch.empty
+        return [
+            allocate(shape, dtype=self.dtype, device=self.device)
+            for _ in range(config.num_hidden_layers)
+        ]
+
+    def _profile_peak_step(self) -> None:
+        """A forward of max_num_batched_tokens into a scratch KV cache just big enough."""
+        num_tokens = self.max_num_batched_tokens
+        num_seqs = -(-num_tokens // self.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size) + num_seqs
+        scratch = self._allocate_kv_caches(num_blocks)
+        self.model_runner.dummy_forward(num_tokens, scratch)
+        del scratch
+
+    def _new_model_runner(self) -> ModelRunner:
+        return ModelRunner(
+            self.model,
+            device=self.device,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_reqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            eos_token_ids=self.eos_token_ids,
+            seed=self.seed,
+        )
+
+    def _resolve_max_model_len(self) -> int:
+        model_max = self.model_config.max_position_embeddings
+        requested = self.requested_max_model_len
+        if requested is None:
+            return model_max
+        _check_positive("max_model_len", requested)
+        if requested > model_max:
+            raise ValueError(
+                f"max_model_len={requested} exceeds the model's context length "
+                f"(max_position_embeddings={model_max}); pass max_model_len <= {model_max}"
+            )
+        return requested
+
+    def _init_distributed(self) -> None:
+        if self.world_size == 1 or torch.distributed.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(
+            backend, init_method="env://", rank=self.rank, world_size=self.world_size
+        )
+
+    def _require_loaded(self) -> None:
+        if self.model is None:
+            raise RuntimeError("call load_model() first")
+
+
+def resolve_device(device: str, rank: int = 0) -> torch.device:
+    """ "auto" -> cuda if available else cpu; "cuda" -> this rank's GPU; "cuda:N" as given."""
+    name = device.split(":", 1)[0]
+    if name not in DEVICE_NAMES:
+        raise ValueError(f"device must be one of {DEVICE_NAMES} (or 'cuda:N'), got {device!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device {device!r} was requested but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False); "
+            "use device='cpu' or 'auto'"
+        )
+    if ":" in device:
+        return torch.device(device)
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """None -> float32 on CPU, bfloat16 on CUDA; otherwise one of DTYPE_NAMES."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPE_NAMES)} or None, got {dtype!r}")
+    return DTYPE_NAMES[dtype]
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
