@@ -1,0 +1,145 @@
+"""KVCacheManager: prefix hits, slot allocation and freeing, with exact block ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.kv_cache_manager import KVCacheManager
+from tests.core_factories import make_request
+
+BLOCK = 16
+
+
+def make_manager(num_gpu_blocks=32, block_size=BLOCK, max_model_len=512, enable_caching=True):
+    return KVCacheManager(num_gpu_blocks, block_size, max_model_len, enable_caching)
+
+
+def compute_fully(manager, request):
+    """Allocates and 'computes' a whole prompt, as the scheduler would."""
+    blocks, num_hit = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
+    request.num_computed_tokens = request.num_tokens
+    return blocks, num_hit, new
+
+
+def test_allocate_fresh_prompt_takes_blocks_from_the_head():
+    manager = make_manager()
+    request = make_request("a", list(range(40)), block_size=BLOCK)
+    blocks, num_hit = manager.get_computed_blocks(request)
+    assert num_hit == 0 and len(blocks) == 0
+    new = manager.allocate_slots(request, 40)
+    assert new.get_block_ids() == [1, 2, 3]
+    assert manager.get_block_ids("a") == [1, 2, 3]
+    # the two full blocks are registered in the prefix cache, the partial one is not
+    assert [b.block_hash is not None for b in new.blocks] == [True, True, False]
+    manager.block_pool.check_integrity()
+
+
+def test_ten_cached_blocks_plus_three_new_tokens_need_exactly_one_block():
+    """Seed example: a 10-block prefix hit, 3 more tokens -> 11 blocks, 1 of them new."""
+    manager = make_manager()
+    prefix = list(range(1000, 1160))
+    first = make_request("first", prefix + [1], block_size=BLOCK)
+    compute_fully(manager, first)
+    manager.free(first)
+    second = make_request("second", prefix + [7, 8, 9], block_size=BLOCK)
+    blocks, num_hit = manager.get_computed_blocks(second)
+    assert num_hit == 160 and len(blocks) == 10
+    num_free_before = manager.block_pool.get_num_free_blocks()
+    new = manager.allocate_slots(second, 3, num_hit, blocks)
+    assert len(new) == 1
+    assert manager.get_block_ids("second")[:10] == blocks.get_block_ids()
+    assert len(manager.get_block_ids("second")) == 11
+    assert manager.block_pool.get_num_free_blocks() == num_free_before - 11
+    manager.block_pool.check_integrity()
+
+
+def test_hit_never_covers_the_last_token():
+    manager = make_manager()
+    prompt = list(range(32))  # exactly 2 full blocks
+    compute_fully(manager, make_request("a", prompt, block_size=BLOCK))
+    blocks, num_hit = manager.get_computed_blocks(make_request("b", prompt, block_size=BLOCK))
+    assert num_hit == 16 and len(blocks) == 1
+
+
+def test_hit_stops_at_the_first_miss():
+    manager = make_manager()
+    prompt = list(range(64))
+    compute_fully(manager, make_request("a", prompt, block_size=BLOCK))
+    changed = prompt[:16] + [999] + prompt[17:] + [5]
+    _, num_hit = manager.get_computed_blocks(make_request("b", changed, block_size=BLOCK))
+    assert num_hit == 16
+
+
+def test_allocate_returns_none_counting_free_hit_blocks_as_used():
+    manager = make_manager(num_gpu_blocks=5)  # 4 usable
+    prompt = list(range(32))
+    first = make_request("a", prompt, block_size=BLOCK)
+    compute_fully(manager, first)
+    manager.free(first)  # blocks 1, 2 cached and free
+    second = make_request("b", prompt + list(range(100, 140)), block_size=BLOCK)
+    blocks, num_hit = manager.get_computed_blocks(second)
+    assert num_hit == 32
+    # needs 5 blocks total: 2 hits (free, so they count) + 3 new > 4 free
+    assert manager.allocate_slots(second, 40, num_hit, blocks) is None
+    assert manager.block_pool.get_num_free_blocks() == 4
+    assert manager.allocate_slots(second, 32, num_hit, blocks) is not None
+    manager.block_pool.check_integrity()
+
+
+def test_free_releases_blocks_tail_first_and_keeps_hashes():
+    manager = make_manager(num_gpu_blocks=6)
+    request = make_request("a", list(range(48)), block_size=BLOCK)
+    compute_fully(manager, request)
+    assert manager.get_block_ids("a") == [1, 2, 3]
+    manager.free(request)
+    order = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+    assert order == [4, 5, 3, 2, 1]
+    assert all(manager.block_pool.blocks[i].block_hash is not None for i in (1, 2))
+    assert manager.usage == 0.0
+
+
+def test_decode_appends_blocks_as_tokens_arrive():
+    manager = make_manager()
+    request = make_request("a", list(range(15)), block_size=BLOCK)
+    compute_fully(manager, request)
+    assert manager.get_block_ids("a") == [1]
+    request.append_output_token_ids(42)  # 16 tokens: block 1 is now full
+    new = manager.allocate_slots(request, 1)
+    assert new.get_block_ids() == []
+    assert manager.block_pool.blocks[1].block_hash == request.block_hashes[0]
+    request.num_computed_tokens = 16
+    request.append_output_token_ids(43)
+    assert manager.allocate_slots(request, 1).get_block_ids() == [2]
+
+
+def test_prefix_cache_stats_in_tokens():
+    manager = make_manager()
+    prompt = list(range(40))
+    compute_fully(manager, make_request("a", prompt, block_size=BLOCK))
+    manager.get_computed_blocks(make_request("b", prompt, block_size=BLOCK))
+    stats = manager.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (2, 80, 32)
+    assert stats.hit_rate == pytest.approx(32 / 80)
+
+
+def test_caching_disabled_never_hits():
+    manager = make_manager(enable_caching=False)
+    prompt = list(range(40))
+    compute_fully(manager, make_request("a", prompt, block_size=BLOCK))
+    _, num_hit = manager.get_computed_blocks(make_request("b", prompt, block_size=BLOCK))
+    assert num_hit == 0
+    assert len(manager.block_pool.cached_block_hash_to_block) == 0
+
+
+def test_allocation_is_capped_at_max_model_len():
+    manager = make_manager(max_model_len=40)
+    request = make_request("a", list(range(40)), block_size=BLOCK)
+    new = manager.allocate_slots(request, 40, num_lookahead_tokens=20)
+    assert len(new) == 3
+
+
+def test_zero_new_tokens_is_an_error():
+    manager = make_manager()
+    with pytest.raises(ValueError, match="num_new_tokens must be positive, got 0"):
+        manager.allocate_slots(make_request("a", [1]), 0)
