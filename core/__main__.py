@@ -1,0 +1,46 @@
+"""`python -m core --frontend-address ADDR [--config B64] [--model ... engine flags]`.
+
+Runs one engine core process that connects to a frontend bound at ADDR (`ipc://PATH` or
+`tcp://HOST:PORT`, see `proto.endpoints`). `AsyncCoreClient` launches it with `--config` and
+`--watch-parent`; started by hand it takes the same engine flags as `EngineConfig` fields
+(`--max-num-seqs 64`, `--no-enable-prefix-caching`, ...), which override `--config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from core.engine_core_proc import EngineCoreProc
+from core.process_watch import exit_when_orphaned
+from proto.endpoints import frontend_endpoints
+from proto.engine_config import EngineConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core", description=__doc__)
+    parser.add_argument("--frontend-address", required=True, help="ipc://PATH or tcp://HOST:PORT")
+    parser.add_argument("--config", default=None, help="a base EngineConfig.to_b64()")
+    parser.add_argument(
+        "--watch-parent", action="store_true", help="shut down when the launching process dies"
+    )
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        base = EngineConfig.from_b64(args.config) if args.config else None
+        config = EngineConfig.from_cli_args(args, base)
+        frontend_endpoints(args.frontend_address)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s"
+    )
+    if args.watch_parent:
+        exit_when_orphaned(os.getppid(), grace_s=3 * config.shutdown_timeout_s)
+    return EngineCoreProc(config, args.frontend_address).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""`Executor`: the engine core's side of the worker processes.
+
+It starts `tensor_parallel_size` processes (`python -m worker`, so `core/` never imports
+`worker/`), broadcasts each message to all ranks over one PUSH socket per worker, and collects
+answers on one PULL socket (every rank answers start-up messages; only rank 0 answers a step).
+Every wait is bounded and re-checks every worker's liveness at least every `POLL_INTERVAL_S`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from core.process_watch import describe_exit, stop_process
+from proto import (
+    InitKVCache,
+    KVCacheReady,
+    MessageDecodeError,
+    MessageDecoder,
+    MessageEncoder,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+)
+from proto.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.1
+
+
+class WorkerFailedError(RuntimeError):
+    """The workers cannot go on: one died, reported an error, or missed a deadline."""
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    rank: int
+    process: subprocess.Popen
+    input_socket: zmq.Socket
+
+
+class Executor:
+    """Owns the worker processes and their sockets; not thread-safe (the busy loop's thread)."""
+
+    def __init__(self, config: EngineConfig, context: zmq.Context, parent_dir: str | None = None):
+        self.config = config
+        self.ipc_dir = tempfile.mkdtemp(prefix="workers-", dir=parent_dir)
+        self.workers: list[WorkerProcess] = []
+        self._encoder = MessageEncoder()
+        self._decoder = MessageDecoder(
+            [WorkerReady, KVCacheReady, ModelRunnerOutput, WorkerError], config.max_frame_bytes
+        )
+        self._output_socket = context.socket(zmq.PULL)
+        self._output_socket.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+        output_address = f"ipc://{self.ipc_dir}/outputs"
+        self._output_socket.bind(output_address)
+        try:
+            dist_init_address = f"tcp://127.0.0.1:{_find_free_port()}"
+            for rank in range(config.tensor_parallel_size):
+                self.workers.append(
+                    self._start_worker(rank, context, output_address, dist_init_address)
+                )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_worker(
+        self, rank: int, context: zmq.Context, output_address: str, dist_init_address: str
+    ) -> WorkerProcess:
+        input_address = f"ipc://{self.ipc_dir}/input-{rank}"
+        input_socket = context.socket(zmq.PUSH)
+        input_socket.bind(input_address)
+        argv = [
+            sys.executable, "-m", "worker",
+            "--rank", str(rank),
+            "--world-size", str(self.config.tensor_parallel_size),
+            "--input-address", input_address,
+            "--output-address", output_address,
+            "--dist-init-address", dist_init_address,
+            "--config", self.config.to_b64(),
+        ]  # fmt: skip
+        process = subprocess.Popen(argv)
+        logger.info("started worker rank %d (pid %d)", rank, process.pid)
+        return WorkerProcess(rank, process, input_socket)
+
+    # ---- start-up handshake ----------------------------------------------------------------
+
+    def wait_until_ready(self) -> list[WorkerReady]:
+        """Every rank's WorkerReady (model loaded, memory profiled), in rank order."""
+        rank_to_ready = self._collect(WorkerReady, self.config.startup_timeout_s, "start-up")
+        return [rank_to_ready[rank] for rank in range(len(self.workers))]
+
+    def initialize_cache(self, num_gpu_blocks: int) -> None:
+        """Tells every rank to allocate `num_gpu_blocks` and waits for all KVCacheReady."""
+        self._broadcast(InitKVCache(num_gpu_blocks))
+        self._collect(KVCacheReady, self.config.startup_timeout_s, "KV cache allocation")
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Broadcasts one step and returns rank 0's sampled tokens."""
+        self._broadcast(scheduler_output)
+        return self._collect(ModelRunnerOutput, self.config.step_timeout_s, "a step", 1)[0]
+
+    def check_alive(self) -> None:
+        """Raises WorkerFailedError if any worker exited; prefers the worker's own error text."""
+        dead = [w for w in self.workers if w.process.poll() is not None]
+        if not dead:
+            return
+        while self._output_socket.poll(0):
+            message = self._receive()
+            if isinstance(message, WorkerError):
+                raise WorkerFailedError(_describe_worker_error(message))
+        worker = dead[0]
+        raise WorkerFailedError(
+            f"worker rank {worker.rank} (pid {worker.process.pid}) died "
+            f"({describe_exit(worker.process.returncode)})"
+        )
+
+    def _broadcast(self, message: msgspec.Struct) -> None:
+        frames = self._encoder.encode(message)
+        for worker in self.workers:
+            try:
+                # NOBLOCK: a PUSH to a worker that died would otherwise block forever.
+                worker.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.check_alive()
+                raise WorkerFailedError(
+                    f"worker rank {worker.rank} is not accepting messages"
+                ) from None
+
+    def _collect(
+        self, expected: type, timeout_s: float, what: str, num_answers: int | None = None
+    ) -> dict[int, msgspec.Struct]:
+        """Rank -> answer of type `expected` from `num_answers` ranks (default: all)."""
+        num_answers = len(self.workers) if num_answers is None else num_answers
+        rank_to_answer: dict[int, msgspec.Struct] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(rank_to_answer) < num_answers:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise WorkerFailedError(
+                    f"{len(rank_to_answer)} of {num_answers} workers answered {what} within "
+                    f"{timeout_s} s"
+                )
+            if self._output_socket.poll(min(remaining_s, POLL_INTERVAL_S) * 1000):
+                message = self._receive()
+                if isinstance(message, WorkerError):
+                    raise WorkerFailedError(_describe_worker_error(message))
+                if not isinstance(message, expected):
+                    raise WorkerFailedError(
+                        f"expected {expected.__name__} during {what}, got {type(message).__name__}"
+                    )
+                rank_to_answer[getattr(message, "rank", 0)] = message
+            self.check_alive()
+        return rank_to_answer
+
+    def _receive(self) -> msgspec.Struct:
+        frames = self._output_socket.recv_multipart(copy=False)
+        try:
+            return self._decoder.decode([frame.buffer for frame in frames])
+        except MessageDecodeError as exc:
+            raise WorkerFailedError(f"malformed message from a worker: {exc}") from exc
+
+    # ---- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Asks every worker to exit, then stops stragglers; removes the socket directory.
+
+        Bounded by about `2 * shutdown_timeout_s`; safe to call more than once.
+        """
+        frames = self._encoder.encode(Shutdown())
+        for worker in self.workers:
+            # A worker already gone or not listening is stopped by stop_process below.
+            with contextlib.suppress(zmq.ZMQError):
+                worker.input_socket.send_multipart(frames, flags=zmq.NOBLOCK)
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        for worker in self.workers:
+            try:
+                worker.process.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                logger.warning("worker rank %d did not exit in time; terminating", worker.rank)
+            stop_process(worker.process, self.config.shutdown_timeout_s)
+            worker.input_socket.close(linger=0)
+        self.workers.clear()
+        self._output_socket.close(linger=0)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _describe_worker_error(error: WorkerError) -> str:
+    return f"worker rank {error.rank} failed: {error.message}"
+
+
+def _find_free_port() -> int:
+    """A TCP port free right now on localhost, for torch.distributed's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

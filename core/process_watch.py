@@ -1,0 +1,49 @@
+"""Keeping the process tree tidy: children leave with their parent, stops are bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+PARENT_POLL_INTERVAL_S = 0.5
+
+
+def exit_when_orphaned(parent_pid: int, grace_s: float) -> threading.Thread:
+    """Starts a daemon thread that, once `parent_pid` stops being our parent (it died and we
+    were re-parented), sends this process SIGTERM for a clean shutdown and hard-exits if it is
+    still alive `grace_s` later. No child outlives its parent by more than that."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_INTERVAL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM, wait up to `timeout_s`, then SIGKILL; always reaps. Returns the exit code."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            return process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
+
+
+def describe_exit(returncode: int) -> str:
+    """`returncode` as a person reads it: "exit code 1" or "signal SIGKILL"."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"

@@ -1,0 +1,384 @@
+"""`AsyncCoreClient`: the frontend's asyncio handle on one engine core process.
+
+The client binds ROUTER (requests, aborts, utility calls; the core's `EngineReady` arrives here
+too and names the core's routing id) and PULL (outputs, utility answers, `EngineDead`), in a
+private 0700 ipc directory or on a given tcp address, then launches `python -m core` (or waits
+for one started by hand). One task dispatches outputs into per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from proto import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+    FinishReason,
+    MessageDecodeError,
+    MessageDecoder,
+    MessageEncoder,
+    SchedulerStats,
+    UtilityRequest,
+    UtilityResponse,
+)
+from proto.endpoints import frontend_endpoints
+from proto.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.1
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 10_000
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone; the message says why. Every later call raises it too."""
+
+
+class AsyncCoreClient:
+    """Sends requests to one engine core and routes its outputs to per-request queues.
+
+    Contract: after `start()`, the queue returned by `add_request` receives that request's
+    `EngineCoreOutput`s in order and then nothing more once one is finished (STOP, LENGTH,
+    ERROR, or the ABORT that `abort` puts there itself); or an `EngineDeadError` if the core
+    dies first. Every method must be called on the event loop that ran `start()`.
+    `launch_core=False` waits for a core started separately with
+    `python -m core --frontend-address ADDRESS` (`address` is then required).
+    """
+
+    def __init__(
+        self, config: EngineConfig, address: str | None = None, *, launch_core: bool = True
+    ) -> None:
+        if address is None and not launch_core:
+            raise ValueError("launch_core=False needs the address the engine core connects to")
+        if address is not None:
+            frontend_endpoints(address)  # validates it now, not after start-up work
+        self.config = config
+        self.address = address
+        self.launch_core = launch_core
+        self.ready: EngineReady | None = None
+        self.latest_stats: SchedulerStats | None = None
+        self.dead_reason: str | None = None
+        self._context: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._core_routing_id: bytes | None = None
+        self._process: subprocess.Popen | None = None
+        self._ipc_dir: str | None = None
+        self._core_disconnected = False
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._request_id_to_queue: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
+        self._call_id_to_future: dict[int, asyncio.Future[UtilityResponse]] = {}
+        self._call_ids = itertools.count()
+        self._encoder = MessageEncoder()
+        self._is_shut_down = False
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    # ---- start-up --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Binds, launches the core, waits for `EngineReady` (bounded), starts dispatching.
+
+        Raises EngineDeadError if the core dies or reports failure during start-up, and
+        TimeoutError if it does not become ready in time; either way nothing is left behind.
+        """
+        if self._context is not None:
+            raise RuntimeError("AsyncCoreClient.start() was already called")
+        self._context = zmq.asyncio.Context()
+        try:
+            self._bind_sockets(self.address or self._make_private_ipc_address())
+            if self.launch_core:
+                self._process = self._launch_core()
+            else:
+                self._watch_disconnects()
+            self.ready = await self._wait_for_ready()
+        except BaseException:
+            await self.shutdown()
+            raise
+        logger.info("engine core ready: %s", self.ready)
+        self._tasks.append(asyncio.create_task(self._output_loop(), name="core-outputs"))
+
+    def _make_private_ipc_address(self) -> str:
+        self._ipc_dir = tempfile.mkdtemp(prefix="core-engine-")
+        os.chmod(self._ipc_dir, 0o700)
+        return f"ipc://{self._ipc_dir}/engine"
+
+    def _bind_sockets(self, address: str) -> None:
+        self.address = address
+        endpoints = frontend_endpoints(address)
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished core raises, not drops
+        self._router.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+        if not self.launch_core:
+            self._router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+            self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._router.bind(endpoints.requests)
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+        self._pull.bind(endpoints.outputs)
+
+    def _launch_core(self) -> subprocess.Popen:
+        argv = [
+            sys.executable, "-m", "core",
+            "--frontend-address", self.address,
+            "--config", self.config.to_b64(),
+            "--watch-parent",
+        ]  # fmt: skip
+        process = subprocess.Popen(argv)
+        logger.info("launched engine core (pid %d) at %s", process.pid, self.address)
+        return process
+
+    def _watch_disconnects(self) -> None:
+        """A core we did not launch is watched through its connection instead of its pid."""
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+        async def watch() -> None:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            logger.warning("engine core connection closed: %s", event)
+            self._core_disconnected = True
+
+        self._tasks.append(asyncio.create_task(watch(), name="core-disconnects"))
+
+    async def _wait_for_ready(self) -> EngineReady:
+        # The core waits up to startup_timeout_s for model loading and again for allocation.
+        timeout_s = 2 * self.config.startup_timeout_s + self.config.shutdown_timeout_s
+        ready_decoder = MessageDecoder([EngineReady], self.config.max_frame_bytes)
+        dead_decoder = MessageDecoder([EngineDead], self.config.max_frame_bytes)
+        poller = zmq.asyncio.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while (remaining_s := deadline - asyncio.get_running_loop().time()) > 0:
+            socket_to_events = dict(await poller.poll(min(remaining_s, POLL_INTERVAL_S) * 1000))
+            if self._router in socket_to_events:
+                routing_id, *frames = await self._router.recv_multipart()
+                try:
+                    ready = ready_decoder.decode(frames)
+                except MessageDecodeError as exc:
+                    logger.warning("ignored a malformed frame while waiting for ready: %s", exc)
+                    continue
+                self._core_routing_id = routing_id
+                return ready
+            if self._pull in socket_to_events:
+                try:
+                    dead = dead_decoder.decode(await self._pull.recv_multipart())
+                except MessageDecodeError as exc:
+                    logger.warning("ignored a malformed frame while waiting for ready: %s", exc)
+                    continue
+                raise EngineDeadError(f"engine core failed to start: {dead.reason}")
+            if (reason := self._core_gone_reason()) is not None:
+                raise EngineDeadError(f"{reason} during start-up")
+        raise TimeoutError(f"engine core at {self.address} was not ready within {timeout_s} s")
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self, request: EngineCoreRequest
+    ) -> asyncio.Queue[EngineCoreOutput | Exception]:
+        """Registers the request's queue, then sends the request. Raises EngineDeadError, or
+        ValueError if the id is already in flight."""
+        self._raise_if_dead()
+        if request.request_id in self._request_id_to_queue:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        output_queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
+        self._request_id_to_queue[request.request_id] = output_queue
+        try:
+            self._send(request)
+        except BaseException:
+            self._request_id_to_queue.pop(request.request_id, None)
+            raise
+        return output_queue
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Finishes the requests' queues with ABORT now and tells the core to free them.
+
+        Unknown or finished ids are ignored; a no-op once the engine is dead.
+        """
+        for request_id in request_ids:
+            output_queue = self._request_id_to_queue.pop(request_id, None)
+            if output_queue is not None:
+                output_queue.put_nowait(EngineCoreOutput(request_id, [], FinishReason.ABORT))
+        if self.ready is not None and not self.is_dead and request_ids:
+            await self._send(AbortRequests(list(request_ids)))
+
+    async def get_stats(self) -> SchedulerStats:
+        response = await self._call_utility("get_stats")
+        return response.stats
+
+    async def reset_prefix_cache(self) -> bool:
+        """True if the prefix cache was reset; False while requests hold KV blocks."""
+        response = await self._call_utility("reset_prefix_cache")
+        return response.error is None
+
+    async def _call_utility(self, method: str) -> UtilityResponse:
+        self._raise_if_dead()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._call_id_to_future[call_id] = future
+        try:
+            await self._send(UtilityRequest(call_id, method))
+            return await asyncio.wait_for(future, self.config.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"engine core did not answer {method} within {self.config.step_timeout_s} s"
+            ) from None
+        finally:
+            self._call_id_to_future.pop(call_id, None)
+
+    def _send(self, message: msgspec.Struct) -> asyncio.Future:
+        """Queues `message` to the core; raises EngineDeadError at once if it is unreachable."""
+        frames = [self._core_routing_id, *self._encoder.encode(message)]
+        future = self._router.send_multipart(frames, copy=False)
+        if future.done() and future.exception() is not None:
+            self._mark_dead(f"engine core is unreachable: {future.exception()}")
+            self._raise_if_dead()
+        return future
+
+    def _raise_if_dead(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self.ready is None:
+            raise RuntimeError("AsyncCoreClient.start() has not completed")
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        """Dispatches everything the core sent; when idle, checks whether the core is gone.
+
+        Checking only when idle means outputs the core sent before dying are delivered first.
+        """
+        decoder = MessageDecoder(
+            [EngineCoreOutputs, UtilityResponse, EngineDead], self.config.max_frame_bytes
+        )
+        try:
+            while not self.is_dead:
+                if await self._pull.poll(POLL_INTERVAL_S * 1000):
+                    await self._drain(decoder)
+                elif (reason := self._core_gone_reason()) is not None:
+                    self._mark_dead(reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("engine core output dispatch failed")
+            self._mark_dead(f"engine core output dispatch failed: {exc}")
+
+    async def _drain(self, decoder: MessageDecoder) -> None:
+        while not self.is_dead:
+            try:
+                frames = await self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = decoder.decode([frame.buffer for frame in frames])
+            except MessageDecodeError as exc:
+                logger.warning("ignored a malformed frame from the engine core: %s", exc)
+                continue
+            self._dispatch(message)
+
+    def _dispatch(self, message: msgspec.Struct) -> None:
+        if isinstance(message, EngineCoreOutputs):
+            if message.scheduler_stats is not None:
+                self.latest_stats = message.scheduler_stats
+            for output in message.outputs:
+                if output.finished:
+                    output_queue = self._request_id_to_queue.pop(output.request_id, None)
+                else:
+                    output_queue = self._request_id_to_queue.get(output.request_id)
+                if output_queue is not None:  # None: aborted here already
+                    output_queue.put_nowait(output)
+        elif isinstance(message, UtilityResponse):
+            future = self._call_id_to_future.pop(message.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+        else:
+            self._mark_dead(f"engine core died: {message.reason}")
+
+    def _core_gone_reason(self) -> str | None:
+        if self._process is not None and (returncode := self._process.poll()) is not None:
+            return f"engine core process {self._process.pid} exited ({_describe_exit(returncode)})"
+        if self._core_disconnected:
+            return f"engine core at {self.address} disconnected"
+        return None
+
+    def _mark_dead(self, reason: str) -> None:
+        """Fails every pending queue and call with EngineDeadError(reason); first reason wins."""
+        if self.dead_reason is not None:
+            return
+        logger.log(
+            logging.INFO if self._is_shut_down else logging.ERROR, "engine is dead: %s", reason
+        )
+        self.dead_reason = reason
+        for output_queue in self._request_id_to_queue.values():
+            output_queue.put_nowait(EngineDeadError(reason))
+        self._request_id_to_queue.clear()
+        for future in self._call_id_to_future.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self._call_id_to_future.clear()
+
+    # ---- shutdown --------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """SIGTERM the core, SIGKILL it if it outlives its own shutdown bound; close sockets,
+        remove the ipc directory. Pending queues get EngineDeadError. Idempotent."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._process is not None:
+            await self._stop_core_process()
+        self._mark_dead("the engine client was shut down")
+        if self._monitor is not None:
+            self._router.disable_monitor()
+        for sock in (self._monitor, self._router, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    async def _stop_core_process(self) -> None:
+        # The core stops its workers within about 2 * shutdown_timeout_s, then flushes.
+        timeout_s = 3 * self.config.shutdown_timeout_s + 1.0
+        process = self._process
+        if process.poll() is None:
+            process.terminate()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while process.poll() is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(POLL_INTERVAL_S / 2)
+        if process.poll() is None:
+            logger.warning(
+                "engine core %d ignored SIGTERM for %s s; killing it", process.pid, timeout_s
+            )
+            process.kill()
+        process.wait()
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"

@@ -1,0 +1,208 @@
+"""In-process tests of the engine core's pieces: EngineConfig, endpoints, NullWorker, EngineCore.
+
+No processes here (see test_engine_processes.py): the NullWorker stands in for the executor,
+which it can because it has the same `execute_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from core.engine_core import EngineCore, make_request
+from core.request import Request
+from core.scheduler import Scheduler
+from core.scheduler_config import SchedulerConfig
+from proto import (
+    CachedRequestData,
+    EngineCoreRequest,
+    FinishReason,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+from proto.endpoints import frontend_endpoints
+from proto.engine_config import EngineConfig
+from worker.null_worker import NULL_TOKEN_ID, NullWorker
+
+BLOCK_SIZE = 4
+
+
+def make_engine_core(num_gpu_blocks: int = 64, max_model_len: int = 64, **kwargs) -> EngineCore:
+    config = SchedulerConfig(
+        max_model_len=max_model_len, block_size=BLOCK_SIZE, num_gpu_blocks=num_gpu_blocks, **kwargs
+    )
+    worker = NullWorker(model="null", block_size=BLOCK_SIZE, max_model_len=max_model_len)
+    return EngineCore(Scheduler(config), worker)
+
+
+def make_core_request(request_id: str, num_prompt_tokens: int, **params) -> Request:
+    wire = EngineCoreRequest(request_id, list(range(num_prompt_tokens)), SamplingParams(**params))
+    return make_request(wire, BLOCK_SIZE)
+
+
+def run_to_completion(engine_core: EngineCore, max_steps: int = 1000) -> dict[str, list]:
+    """request id -> every EngineCoreOutput it got, stepping until the core is idle."""
+    request_id_to_outputs: dict[str, list] = {}
+    for _ in range(max_steps):
+        outputs = engine_core.step()
+        if outputs is None:
+            return request_id_to_outputs
+        for output in outputs.outputs:
+            request_id_to_outputs.setdefault(output.request_id, []).append(output)
+    raise AssertionError(f"the engine core was still busy after {max_steps} steps")
+
+
+# ---- EngineConfig ----------------------------------------------------------------------------
+
+
+def test_engine_config_defaults_are_valid_and_round_trip_through_b64():
+    config = EngineConfig(model="null", max_num_seqs=8, num_gpu_blocks_override=100)
+    assert EngineConfig.from_b64(config.to_b64()) == config
+    assert EngineConfig().block_size == 16 and EngineConfig().policy == "fcfs"
+    assert config.is_null_model and not EngineConfig().is_null_model
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("device", "tpu", "device must be one of"),
+        ("dtype", "int8", "dtype must be None or one of"),
+        ("block_size", 12, "block_size must be a power of two, got 12"),
+        ("max_num_seqs", 0, "max_num_seqs must be at least 1, got 0"),
+        ("max_num_batched_tokens", 0, "max_num_batched_tokens must be at least 1"),
+        ("max_model_len", 0, "max_model_len must be at least 1"),
+        ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in (0, 1], got 1.5"),
+        ("num_gpu_blocks_override", 1, "num_gpu_blocks_override must be at least 2"),
+        ("tensor_parallel_size", 0, "tensor_parallel_size must be at least 1"),
+        ("long_prefill_token_threshold", -1, "long_prefill_token_threshold must be >= 0"),
+        ("policy", "lifo", "policy must be one of"),
+        ("startup_timeout_s", 0.0, "startup_timeout_s must be positive"),
+        ("max_frame_bytes", 10, "max_frame_bytes must be at least 4096, got 10"),
+    ],
+)
+def test_engine_config_rejects_bad_values_naming_value_and_limit(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**{field: value})
+
+
+def test_engine_config_from_b64_rejects_garbage():
+    with pytest.raises(ValueError, match="invalid encoded EngineConfig"):
+        EngineConfig.from_b64("not base64!")
+
+
+def test_engine_config_cli_flags_override_the_base_config():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(
+        ["--max-num-seqs", "8", "--no-enable-prefix-caching", "--dtype", "none", "--seed", "7"]
+    )
+    base = EngineConfig(model="null", dtype="float32", max_num_seqs=4)
+    config = EngineConfig.from_cli_args(args, base)
+    assert config == EngineConfig(
+        model="null", dtype=None, max_num_seqs=8, enable_prefix_caching=False, seed=7
+    )
+    with pytest.raises(ValueError, match="block_size must be a power of two, got 3"):
+        EngineConfig.from_cli_args(parser.parse_args(["--block-size", "3"]))
+
+
+# ---- frontend endpoints ----------------------------------------------------------------------
+
+
+def test_frontend_endpoints_derive_two_sockets_from_one_address():
+    assert frontend_endpoints("tcp://127.0.0.1:5555") == (
+        "tcp://127.0.0.1:5555",
+        "tcp://127.0.0.1:5556",
+    )
+    assert frontend_endpoints("ipc:///tmp/x/engine") == (
+        "ipc:///tmp/x/engine-requests",
+        "ipc:///tmp/x/engine-outputs",
+    )
+    for bad in ("http://localhost:1", "tcp://localhost", "tcp://:80", "tcp://h:65535"):
+        with pytest.raises(ValueError, match="address"):
+            frontend_endpoints(bad)
+
+
+# ---- NullWorker ------------------------------------------------------------------------------
+
+
+def test_null_worker_samples_only_when_the_prompt_is_done_and_drops_finished_requests():
+    worker = NullWorker(model="null", block_size=BLOCK_SIZE)
+    new_req = NewRequestData("a", [1, 2, 3, 4, 5, 6], SamplingParams(logprobs=2), [1, 2], 0)
+    first = worker.execute_model(
+        SchedulerOutput([new_req], [], {"a": 4}, total_num_scheduled_tokens=4)
+    )
+    assert first.req_ids == ["a"] and first.sampled_token_ids == [[]]
+    assert first.logprobs is None
+    second = worker.execute_model(
+        SchedulerOutput([], [CachedRequestData("a", 4)], {"a": 2}, total_num_scheduled_tokens=2)
+    )
+    assert second.sampled_token_ids == [[NULL_TOKEN_ID]]
+    assert second.logprobs[0].top_token_ids == [NULL_TOKEN_ID, NULL_TOKEN_ID + 1]
+    assert second.logprobs[0].top_logprobs[0] == 0.0
+    decode = CachedRequestData("a", 6, new_token_ids=[NULL_TOKEN_ID])
+    third = worker.execute_model(SchedulerOutput([], [decode], {"a": 1}, 1))
+    assert third.sampled_token_ids == [[NULL_TOKEN_ID]]
+    worker.execute_model(SchedulerOutput(finished_req_ids=["a"]))
+    assert worker.req_id_to_state == {}
+
+
+def test_null_worker_reports_enough_blocks_for_every_sequence_at_full_length():
+    worker = NullWorker(model="null", block_size=16, max_model_len=100, max_num_seqs=3)
+    assert worker.determine_num_available_blocks() == 3 * 7 + 1
+
+
+# ---- EngineCore ------------------------------------------------------------------------------
+
+
+def test_engine_core_runs_requests_to_their_length_limit():
+    engine_core = make_engine_core()
+    assert engine_core.add_request(make_core_request("a", 10, max_tokens=3)) is None
+    assert engine_core.add_request(make_core_request("b", 5, max_tokens=1)) is None
+    request_id_to_outputs = run_to_completion(engine_core)
+    tokens_a = [t for output in request_id_to_outputs["a"] for t in output.new_token_ids]
+    assert tokens_a == [NULL_TOKEN_ID] * 3
+    assert request_id_to_outputs["a"][-1].finish_reason == FinishReason.LENGTH
+    assert [o.finish_reason for o in request_id_to_outputs["b"]] == [FinishReason.LENGTH]
+    assert engine_core.get_stats().kv_cache_usage == 0.0
+    assert engine_core.unfinished_request_ids() == []
+
+
+def test_engine_core_answers_a_too_long_prompt_with_an_error_output_and_keeps_serving():
+    engine_core = make_engine_core(max_model_len=32)
+    error_output = engine_core.add_request(make_core_request("long", 33))
+    assert error_output.finish_reason == FinishReason.ERROR
+    assert "33 tokens" in error_output.error and "max_model_len=32" in error_output.error
+    assert engine_core.add_request(make_core_request("ok", 8, max_tokens=2)) is None
+    assert run_to_completion(engine_core)["ok"][-1].finish_reason == FinishReason.LENGTH
+
+
+def test_engine_core_rejects_a_duplicate_request_id():
+    engine_core = make_engine_core()
+    assert engine_core.add_request(make_core_request("a", 4)) is None
+    error_output = engine_core.add_request(make_core_request("a", 4))
+    assert (
+        error_output.finish_reason == FinishReason.ERROR and "already in use" in error_output.error
+    )
+
+
+def test_engine_core_abort_frees_blocks_and_tells_the_worker():
+    engine_core = make_engine_core()
+    engine_core.add_request(make_core_request("a", 10, max_tokens=50))
+    engine_core.step()
+    assert engine_core.get_stats().kv_cache_usage > 0
+    engine_core.abort_requests(["a", "unknown"])
+    assert engine_core.get_stats().kv_cache_usage == 0.0
+    assert engine_core.has_work  # the worker still holds "a"
+    assert engine_core.step().outputs == []
+    assert engine_core.executor.req_id_to_state == {}
+    assert not engine_core.has_work and engine_core.step() is None
+
+
+def test_make_request_hashes_full_prompt_blocks_and_rejects_negative_token_ids():
+    request = make_core_request("a", 9)
+    assert len(request.block_hashes) == 9 // BLOCK_SIZE
+    wire = EngineCoreRequest("b", [5, -1], SamplingParams())
+    with pytest.raises(ValueError, match="prompt token ids must be >= 0, got -1"):
+        make_request(wire, BLOCK_SIZE)

@@ -1,0 +1,150 @@
+"""`python -m worker ...`: one device process, started by the engine core's Executor.
+
+Protocol (over a PULL from the core and a PUSH to it): load the model and profile memory, send
+`WorkerReady`; on `InitKVCache` allocate and send `KVCacheReady`; on each `SchedulerOutput` run
+one step (rank 0 sends the `ModelRunnerOutput`); on `Shutdown` exit 0. Any exception is sent as
+`WorkerError` and the process exits 1. SIGINT is ignored (the core decides when workers stop);
+a dead core is noticed within a second and the worker exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import zmq
+
+from proto import (
+    InitKVCache,
+    KVCacheReady,
+    MessageDecoder,
+    MessageEncoder,
+    SchedulerOutput,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+)
+from proto.engine_config import EngineConfig
+
+logger = logging.getLogger("worker")
+
+PARENT_POLL_INTERVAL_S = 0.5
+SEND_LINGER_MS = 2000
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    config = EngineConfig.from_b64(args.config)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s worker[{args.rank}] %(levelname)s %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_when_orphaned(os.getppid())
+    _export_distributed_env(args.dist_init_address, args.rank, args.world_size)
+
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+    input_socket.connect(args.input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.connect(args.output_address)
+    encoder = MessageEncoder()
+    try:
+        worker = _make_worker(config, args.rank, args.world_size)
+        worker.load_model()
+        num_gpu_blocks = worker.determine_num_available_blocks()
+        device = str(getattr(worker, "device", config.device))
+        ready = WorkerReady(args.rank, num_gpu_blocks, worker.max_model_len, device)
+        output_socket.send_multipart(encoder.encode(ready))
+        _serve(worker, args.rank, config, input_socket, output_socket, encoder)
+        return 0
+    except Exception as exc:
+        logger.exception("worker rank %d failed", args.rank)
+        message = f"{type(exc).__name__}: {exc}"
+        output_socket.send_multipart(encoder.encode(WorkerError(args.rank, message)))
+        return 1
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close(linger=SEND_LINGER_MS)
+        context.term()
+
+
+def _serve(worker, rank: int, config: EngineConfig, input_socket, output_socket, encoder) -> None:
+    """Answers the core's messages until `Shutdown`; malformed input raises (fatal)."""
+    decoder = MessageDecoder([InitKVCache, SchedulerOutput, Shutdown], config.max_frame_bytes)
+    while True:
+        message = decoder.decode(input_socket.recv_multipart())
+        if isinstance(message, SchedulerOutput):
+            model_runner_output = worker.execute_model(message)
+            if rank == 0:
+                output_socket.send_multipart(encoder.encode(model_runner_output))
+        elif isinstance(message, InitKVCache):
+            worker.initialize_cache(message.num_gpu_blocks)
+            output_socket.send_multipart(encoder.encode(KVCacheReady(rank)))
+        else:
+            return
+
+
+def _make_worker(config: EngineConfig, rank: int, world_size: int):
+    """The NullWorker for model "null" (no torch import), else the real Worker."""
+    if config.is_null_model:
+        from worker.null_worker import NullWorker as worker_class
+    else:
+        from worker.worker import Worker as worker_class
+    return worker_class(
+        model=config.model,
+        device=config.device,
+        dtype=config.dtype,
+        rank=rank,
+        world_size=world_size,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        seed=config.seed,
+    )
+
+
+def _export_distributed_env(dist_init_address: str, rank: int, world_size: int) -> None:
+    """torch.distributed's env:// rendezvous variables, for tensor-parallel workers."""
+    host, _, port = dist_init_address.removeprefix("tcp://").rpartition(":")
+    os.environ.update(
+        MASTER_ADDR=host,
+        MASTER_PORT=port,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Hard-exits once the core is gone. (A copy of core.process_watch's: worker/ may not
+    import core/.)"""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_INTERVAL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--input-address", required=True, help="the core's PUSH for this rank")
+    parser.add_argument("--output-address", required=True, help="the core's PULL")
+    parser.add_argument("--dist-init-address", required=True, help="tcp://HOST:PORT")
+    parser.add_argument("--config", required=True, help="EngineConfig.to_b64()")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

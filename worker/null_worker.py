@@ -1,0 +1,102 @@
+"""`NullWorker`: the `Worker` API with no model and no torch, for tests and IPC benchmarks.
+
+It tracks just enough per-request state to know when a request has finished its prompt, and then
+samples `NULL_TOKEN_ID` once per step. It never samples an eos token, so requests stop on
+`max_tokens`, `max_model_len`, `stop_token_ids` or abort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proto import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+
+NULL_TOKEN_ID = 42
+NULL_VOCAB_SIZE = 32000
+NULL_MAX_MODEL_LEN = 4096
+NULL_ALTERNATIVE_LOGPROB = -30.0
+
+
+@dataclass(slots=True)
+class NullRequestState:
+    """Invariant: `num_tokens` counts the prompt plus every token the scheduler sent back."""
+
+    num_tokens: int
+    num_logprobs: int | None
+
+
+class NullWorker:
+    """Same constructor and verbs as `worker.worker.Worker`; every step is instant."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+    ) -> None:
+        self.device = "cpu" if device == "auto" else device
+        self.rank = rank
+        self.block_size = block_size
+        self.max_model_len = max_model_len or NULL_MAX_MODEL_LEN
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = NULL_VOCAB_SIZE
+        self.num_gpu_blocks: int | None = None
+        self.req_id_to_state: dict[str, NullRequestState] = {}
+
+    def load_model(self) -> None:
+        """Nothing to load."""
+
+    def determine_num_available_blocks(self) -> int:
+        """Enough blocks for every sequence at full length, plus the null block."""
+        num_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return self.max_num_seqs * num_blocks_per_seq + 1
+
+    def initialize_cache(self, num_gpu_blocks: int) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One sample per scheduled request whose computed tokens reach its known tokens."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.req_id_to_state.pop(req_id, None)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self.req_id_to_state[new_req.req_id] = NullRequestState(
+                len(new_req.prompt_token_ids), new_req.sampling_params.logprobs
+            )
+        num_computed_tokens = {
+            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
+        }
+        for cached_req in scheduler_output.scheduled_cached_reqs:
+            self.req_id_to_state[cached_req.req_id].num_tokens += len(cached_req.new_token_ids)
+            num_computed_tokens[cached_req.req_id] = cached_req.num_computed_tokens
+
+        output = ModelRunnerOutput()
+        any_logprobs = False
+        logprobs: list[TokenLogprobs | None] = []
+        for req_id, num_computed in num_computed_tokens.items():
+            state = self.req_id_to_state[req_id]
+            done_prompt = (
+                num_computed + scheduler_output.num_scheduled_tokens[req_id] >= state.num_tokens
+            )
+            output.req_ids.append(req_id)
+            output.sampled_token_ids.append([NULL_TOKEN_ID] if done_prompt else [])
+            wants_logprobs = done_prompt and state.num_logprobs is not None
+            any_logprobs |= wants_logprobs
+            logprobs.append(_null_logprobs(state.num_logprobs) if wants_logprobs else None)
+        if any_logprobs:
+            output.logprobs = logprobs
+        return output
+
+
+def _null_logprobs(num_logprobs: int) -> TokenLogprobs:
+    """The fixed token has probability 1; its alternatives are the next token ids."""
+    top_token_ids = [NULL_TOKEN_ID + i for i in range(num_logprobs)]
+    top_logprobs = [0.0 if i == 0 else NULL_ALTERNATIVE_LOGPROB for i in range(num_logprobs)]
+    return TokenLogprobs(0.0, 1, top_token_ids, top_logprobs)
