@@ -1,0 +1,264 @@
+"""Grid, block, shared-memory and split decisions for the CUDA kernels: pure Python, no torch.
+
+Everything the launcher decides before calling a kernel lives here so that it can be unit-tested
+without a GPU. The constants mirror the `constexpr` values at the top of the `.cu` files (a test
+checks that they agree); change both together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_GRID_Y = 65535
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+DEFAULT_SHARED_MEM_BYTES = 48 * 1024
+# Passed as keys_per_split when decode runs unsplit: every request's whole context is one split.
+UNSPLIT_KEYS_PER_SPLIT = 2**31 - 1
+
+# decode_attention.cu
+DECODE_THREADS = 128
+DECODE_WARPS = DECODE_THREADS // 32
+DECODE_MAX_HEADS_PER_CTA = 8
+# prefill_attention.cu
+PREFILL_THREADS = 256
+PREFILL_ROWS = 64
+PREFILL_KEYS = 32
+PREFILL_ROW_PAD = 4
+PREFILL_PROB_STRIDE = PREFILL_KEYS + 1
+# merge_attention_states.cu
+MERGE_THREADS = 128
+# reshape_and_cache.cu
+CACHE_WRITE_MAX_THREADS = 128
+VECTOR_BYTES = 16
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_TO_CUDA_TYPE = {"float32": "float", "float16": "half_t", "bfloat16": "bf16_t"}
+
+Dim3 = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPolicy:
+    """When decode splits the KV range of a request over several CTAs.
+
+    Decode is unsplit while it already has `min_ctas_per_sm` CTAs per SM; otherwise it splits
+    each request's context so that about `target_ctas_per_sm` CTAs per SM run, with at least
+    `min_keys_per_split` keys per split (rounded up to `key_alignment`) and at most `max_splits`.
+    """
+
+    min_ctas_per_sm: int = 2
+    target_ctas_per_sm: int = 4
+    min_keys_per_split: int = 256
+    key_alignment: int = 128
+    max_splits: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    """Launch of decode_attention (and merge_attention_states when `num_splits > 1`)."""
+
+    grid: Dim3
+    block: Dim3
+    shared_mem_bytes: int
+    heads_per_cta: int
+    num_head_chunks: int
+    num_splits: int
+    keys_per_split: int
+    merge_grid: Dim3
+    merge_block: Dim3
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.num_splits > 1
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLaunch:
+    """Launch of prefill_attention; `tokens_per_tile * group_size <= PREFILL_ROWS`."""
+
+    grid: Dim3
+    block: Dim3
+    shared_mem_bytes: int
+    tokens_per_tile: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheWriteLaunch:
+    """Launch of reshape_and_cache: one CTA per token, `row_vecs` 16-byte vectors per K/V row."""
+
+    grid: Dim3
+    block: Dim3
+    row_vecs: int
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return ceil_div(value, multiple) * multiple
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Raises ValueError unless the kernels support `head_dim` (a multiple of 8, at most 256)."""
+    if head_dim <= 0 or head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim={head_dim} is not supported by the CUDA kernels: it must be a positive "
+            f"multiple of {HEAD_DIM_MULTIPLE} and at most {MAX_HEAD_DIM}"
+        )
+
+
+def check_heads(num_heads: int, num_kv_heads: int) -> int:
+    """Returns the GQA group size; raises ValueError if num_heads is not a multiple of num_kv_heads."""
+    if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+        )
+    return num_heads // num_kv_heads
+
+
+def check_num_reqs(num_reqs: int) -> None:
+    if num_reqs > MAX_GRID_Y:
+        raise ValueError(
+            f"num_reqs={num_reqs} exceeds the CUDA grid limit of {MAX_GRID_Y} requests per launch"
+        )
+
+
+def cuda_type(dtype_name: str) -> str:
+    """The CUDA C storage type for a torch dtype name ("bfloat16" -> "bf16_t")."""
+    if dtype_name not in DTYPE_TO_CUDA_TYPE:
+        raise ValueError(
+            f"dtype {dtype_name} is not supported by the CUDA kernels; "
+            f"use one of {sorted(DTYPE_TO_CUDA_TYPE)}"
+        )
+    return DTYPE_TO_CUDA_TYPE[dtype_name]
+
+
+def decode_kernel_name(dtype_name: str, head_dim: int, heads_per_cta: int) -> str:
+    return f"decode_attention<{cuda_type(dtype_name)}, {head_dim}, {heads_per_cta}>"
+
+
+def prefill_kernel_name(dtype_name: str, head_dim: int) -> str:
+    return f"prefill_attention<{cuda_type(dtype_name)}, {head_dim}>"
+
+
+def merge_kernel_name(dtype_name: str) -> str:
+    return f"merge_attention_states<{cuda_type(dtype_name)}>"
+
+
+CACHE_WRITE_KERNEL_NAME = "reshape_and_cache"
+
+
+def head_chunking(group_size: int) -> tuple[int, int]:
+    """Splits a GQA group into (heads_per_cta, num_head_chunks), heads_per_cta <= 8.
+
+    Chunks are as even as possible; the last one may be partial (the kernel masks its tail).
+    """
+    num_chunks = ceil_div(group_size, DECODE_MAX_HEADS_PER_CTA)
+    return ceil_div(group_size, num_chunks), num_chunks
+
+
+def decode_shared_mem_bytes(heads_per_cta: int, head_dim: int) -> int:
+    """Per-warp maxima and sums [warps][heads] plus accumulators [warps][heads][head_dim], fp32."""
+    return 4 * DECODE_WARPS * heads_per_cta * (2 + head_dim)
+
+
+def choose_num_splits(
+    num_base_ctas: int, max_seq_len: int, num_sms: int, policy: SplitPolicy = SplitPolicy()
+) -> int:
+    """How many KV splits decode uses; 1 when the unsplit grid already fills the GPU."""
+    if num_base_ctas >= policy.min_ctas_per_sm * num_sms:
+        return 1
+    by_occupancy = ceil_div(policy.target_ctas_per_sm * num_sms, max(num_base_ctas, 1))
+    by_length = max_seq_len // policy.min_keys_per_split
+    return max(1, min(by_occupancy, by_length, policy.max_splits))
+
+
+def split_keys(
+    max_seq_len: int, num_splits: int, policy: SplitPolicy = SplitPolicy()
+) -> tuple[int, int]:
+    """(num_splits, keys_per_split) covering max_seq_len keys with no empty trailing split.
+
+    keys_per_split is a multiple of `policy.key_alignment`; num_splits may shrink after rounding.
+    With one split, keys_per_split is UNSPLIT_KEYS_PER_SPLIT.
+    """
+    if num_splits <= 1:
+        return 1, UNSPLIT_KEYS_PER_SPLIT
+    keys_per_split = round_up(ceil_div(max_seq_len, num_splits), policy.key_alignment)
+    num_splits = ceil_div(max_seq_len, keys_per_split)
+    if num_splits <= 1:
+        return 1, UNSPLIT_KEYS_PER_SPLIT
+    return num_splits, keys_per_split
+
+
+def decode_launch(
+    num_reqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    num_sms: int,
+    policy: SplitPolicy = SplitPolicy(),
+) -> DecodeLaunch:
+    """Grid x = kv_head * num_head_chunks + chunk, y = request, z = split."""
+    check_head_dim(head_dim)
+    check_num_reqs(num_reqs)
+    group_size = check_heads(num_heads, num_kv_heads)
+    heads_per_cta, num_head_chunks = head_chunking(group_size)
+    num_base_ctas = num_reqs * num_kv_heads * num_head_chunks
+    wanted = choose_num_splits(num_base_ctas, max_seq_len, num_sms, policy)
+    num_splits, keys_per_split = split_keys(max_seq_len, wanted, policy)
+    return DecodeLaunch(
+        grid=(num_kv_heads * num_head_chunks, num_reqs, num_splits),
+        block=(DECODE_THREADS, 1, 1),
+        shared_mem_bytes=decode_shared_mem_bytes(heads_per_cta, head_dim),
+        heads_per_cta=heads_per_cta,
+        num_head_chunks=num_head_chunks,
+        num_splits=num_splits,
+        keys_per_split=keys_per_split,
+        merge_grid=(num_heads, num_reqs, 1),
+        merge_block=(MERGE_THREADS, 1, 1),
+    )
+
+
+def prefill_tokens_per_tile(group_size: int) -> int:
+    """Query tokens per prefill CTA: as many whole GQA groups as fit in PREFILL_ROWS rows."""
+    if group_size > PREFILL_ROWS:
+        raise ValueError(
+            f"GQA group size {group_size} exceeds the prefill kernel's {PREFILL_ROWS} rows per CTA"
+        )
+    return PREFILL_ROWS // group_size
+
+
+def prefill_shared_mem_bytes(head_dim: int) -> int:
+    """fp32 Q [rows][d+pad], K and V [keys][d+pad], probabilities [rows][keys+1]."""
+    row_floats = head_dim + PREFILL_ROW_PAD
+    return 4 * ((PREFILL_ROWS + 2 * PREFILL_KEYS) * row_floats + PREFILL_ROWS * PREFILL_PROB_STRIDE)
+
+
+def prefill_launch(
+    num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int
+) -> PrefillLaunch:
+    """Grid x = query tile, y = request, z = kv_head; tiles past a request's q_len exit at once."""
+    check_head_dim(head_dim)
+    check_num_reqs(num_reqs)
+    group_size = check_heads(num_heads, num_kv_heads)
+    tokens_per_tile = prefill_tokens_per_tile(group_size)
+    return PrefillLaunch(
+        grid=(ceil_div(max_query_len, tokens_per_tile), num_reqs, num_kv_heads),
+        block=(PREFILL_THREADS, 1, 1),
+        shared_mem_bytes=prefill_shared_mem_bytes(head_dim),
+        tokens_per_tile=tokens_per_tile,
+    )
+
+
+def cache_write_launch(num_tokens: int, row_bytes: int) -> CacheWriteLaunch:
+    """One CTA per token; `row_bytes` (one token's K or V, all kv heads) must be 16-byte whole."""
+    if row_bytes % VECTOR_BYTES:
+        raise ValueError(
+            f"a K/V row of {row_bytes} bytes is not a multiple of {VECTOR_BYTES} bytes"
+        )
+    row_vecs = row_bytes // VECTOR_BYTES
+    threads = min(CACHE_WRITE_MAX_THREADS, round_up(row_vecs, 32))
+    return CacheWriteLaunch(grid=(num_tokens, 1, 1), block=(threads, 1, 1), row_vecs=row_vecs)

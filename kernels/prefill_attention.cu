@@ -1,0 +1,256 @@
+// Prefill / append attention over the paged KV cache (chunked prefill), fp32 math on CUDA cores.
+//
+// Grid: x = query tile, y = request, z = kv_head. A CTA owns kPrefillRows "rows", each row one
+// (query token, query head of this kv_head's GQA group) pair: row = token_in_tile * group + head.
+// tokens_per_tile = kPrefillRows / group_size tokens share every K/V tile load.
+// Bottom-right causal mask: query token i (0-based within the request's q_len new tokens) sits at
+// position context_len + i, context_len = seq_len - q_len, and sees keys 0 ..= that position.
+// K/V tiles of kPrefillKeys keys are gathered through the block table into shared memory (fp32);
+// only keys below the tile's last visible position are loaded, so unused cache slots (which may
+// hold anything, NaN included) are never read. Online softmax in the log2 domain.
+//
+// Thread layout (256 threads): ty = tid / 8 owns rows ty and ty + 32; tx = tid % 8 owns score
+// columns tx + 8c (c < 4) and output dims 4 * tx + 32 * chunk.
+// With skip_single_token_queries set, requests with q_len == 1 are left to decode_attention.
+#include "cuda_common.cuh"
+
+constexpr int kPrefillThreads = 256;
+constexpr int kPrefillRows = 64;
+constexpr int kPrefillKeys = 32;
+constexpr int kPrefillRowPad = 4;
+constexpr int kPrefillProbStride = kPrefillKeys + 1;
+
+template <int HEAD_DIM>
+struct PrefillLayout {
+  static constexpr int kStride = HEAD_DIM + kPrefillRowPad;  // floats per shared Q/K/V row
+  static constexpr int kDimChunks = (HEAD_DIM + 31) / 32;
+  static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
+};
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void store_row_vec(float* dst, const float* vals) {
+  constexpr int kVec = VecTraits<T>::kElems;
+#pragma unroll
+  for (int i = 0; i < kVec; i += 4) {
+    *reinterpret_cast<float4*>(dst + i) = make_float4(vals[i], vals[i + 1], vals[i + 2], vals[i + 3]);
+  }
+}
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
+    const T* __restrict__ query,            // [num_tokens, num_heads, HEAD_DIM], token stride
+    long long query_token_stride,           // elements
+    const T* __restrict__ key_cache,        // [num_blocks * block_size, num_kv_heads, HEAD_DIM]
+    const T* __restrict__ value_cache,      // same layout as key_cache
+    const int* __restrict__ block_table,    // [num_reqs, block_table_stride]
+    int block_table_stride,
+    const int* __restrict__ seq_lens,       // [num_reqs]
+    const int* __restrict__ query_start_loc,  // [num_reqs + 1]
+    T* __restrict__ out,                    // [num_tokens, num_heads, HEAD_DIM], token stride
+    long long out_token_stride,             // elements
+    float scale_log2,                       // softmax scale * log2(e)
+    int num_kv_heads,
+    int group_size,
+    int tokens_per_tile,
+    int block_size,
+    int skip_single_token_queries) {
+  using L = PrefillLayout<HEAD_DIM>;
+  constexpr int kVec = VecTraits<T>::kElems;
+  constexpr int kVecsPerRow = HEAD_DIM / kVec;
+  constexpr int kStride = L::kStride;
+  constexpr int kChunks = L::kDimChunks;
+
+  const int tile = blockIdx.x;
+  const int req = blockIdx.y;
+  const int kv_head = blockIdx.z;
+  const int q_begin = query_start_loc[req];
+  const int q_len = query_start_loc[req + 1] - q_begin;
+  if (skip_single_token_queries && q_len == 1) {
+    return;
+  }
+  const int tok0 = tile * tokens_per_tile;
+  if (tok0 >= q_len) {
+    return;
+  }
+  const int seq_len = seq_lens[req];
+  const int context_len = seq_len - q_len;
+  const int num_tokens = min(tokens_per_tile, q_len - tok0);
+  const int num_rows = num_tokens * group_size;
+  const int kv_end = context_len + tok0 + num_tokens;  // keys visible to the tile's last token
+
+  extern __shared__ float4 prefill_smem4[];
+  float* s_q = reinterpret_cast<float*>(prefill_smem4);  // [kPrefillRows][kStride]
+  float* s_k = s_q + kPrefillRows * kStride;             // [kPrefillKeys][kStride]
+  float* s_v = s_k + kPrefillKeys * kStride;             // [kPrefillKeys][kStride]
+  float* s_p = s_v + kPrefillKeys * kStride;             // [kPrefillRows][kPrefillProbStride]
+
+  const long long slot_stride = static_cast<long long>(num_kv_heads) * HEAD_DIM;
+  const long long head_offset = static_cast<long long>(kv_head) * HEAD_DIM;
+  const int* block_row = block_table + static_cast<long long>(req) * block_table_stride;
+
+  for (int idx = threadIdx.x; idx < kPrefillRows * kVecsPerRow; idx += kPrefillThreads) {
+    const int row = idx / kVecsPerRow;
+    const int vec = idx % kVecsPerRow;
+    float vals[kVec];
+    if (row < num_rows) {
+      const long long token = q_begin + tok0 + row / group_size;
+      const long long head = static_cast<long long>(kv_head) * group_size + row % group_size;
+      load_vec(query + token * query_token_stride + head * HEAD_DIM + vec * kVec, vals);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        vals[i] *= scale_log2;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        vals[i] = 0.0f;
+      }
+    }
+    store_row_vec<T, HEAD_DIM>(s_q + row * kStride + vec * kVec, vals);
+  }
+
+  const int ty = threadIdx.x / 8;
+  const int tx = threadIdx.x % 8;
+  const int rows[2] = {ty, ty + 32};
+  int last_visible[2];
+  float m[2];
+  float l[2];
+  float o[2][kChunks * 4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    last_visible[r] = rows[r] < num_rows ? context_len + tok0 + rows[r] / group_size : -1;
+    m[r] = kNegBig;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kChunks * 4; ++e) {
+      o[r][e] = 0.0f;
+    }
+  }
+
+  for (int kv0 = 0; kv0 < kv_end; kv0 += kPrefillKeys) {
+    __syncthreads();  // the previous tile is consumed (first pass: s_q is complete)
+    for (int idx = threadIdx.x; idx < kPrefillKeys * kVecsPerRow; idx += kPrefillThreads) {
+      const int j = idx / kVecsPerRow;
+      const int vec = idx % kVecsPerRow;
+      const int pos = kv0 + j;
+      float k_vals[kVec];
+      float v_vals[kVec];
+      if (pos < kv_end) {
+        const long long base =
+            cache_slot(block_row, pos, block_size) * slot_stride + head_offset + vec * kVec;
+        load_vec(key_cache + base, k_vals);
+        load_vec(value_cache + base, v_vals);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          k_vals[i] = 0.0f;
+          v_vals[i] = 0.0f;
+        }
+      }
+      store_row_vec<T, HEAD_DIM>(s_k + j * kStride + vec * kVec, k_vals);
+      store_row_vec<T, HEAD_DIM>(s_v + j * kStride + vec * kVec, v_vals);
+    }
+    __syncthreads();
+
+    float s[2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[r][c] = 0.0f;
+      }
+    }
+#pragma unroll 4
+    for (int d = 0; d < HEAD_DIM; d += 4) {
+      const float4 qa = *reinterpret_cast<const float4*>(s_q + rows[0] * kStride + d);
+      const float4 qb = *reinterpret_cast<const float4*>(s_q + rows[1] * kStride + d);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float4 kk = *reinterpret_cast<const float4*>(s_k + (tx + 8 * c) * kStride + d);
+        s[0][c] = fmaf(qa.x, kk.x, fmaf(qa.y, kk.y, fmaf(qa.z, kk.z, fmaf(qa.w, kk.w, s[0][c]))));
+        s[1][c] = fmaf(qb.x, kk.x, fmaf(qb.y, kk.y, fmaf(qb.z, kk.z, fmaf(qb.w, kk.w, s[1][c]))));
+      }
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = kNegBig;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (kv0 + tx + 8 * c > last_visible[r]) {
+          s[r][c] = kNegBig;
+        }
+        tile_max = fmaxf(tile_max, s[r][c]);
+      }
+#pragma unroll
+      for (int offset = 1; offset < 8; offset *= 2) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
+      }
+      const float m_new = fmaxf(m[r], tile_max);
+      const float alpha = exp2f(m[r] - m_new);
+      m[r] = m_new;
+      l[r] *= alpha;
+#pragma unroll
+      for (int e = 0; e < kChunks * 4; ++e) {
+        o[r][e] *= alpha;
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const bool visible = kv0 + tx + 8 * c <= last_visible[r];
+        const float p = visible ? exp2f(s[r][c] - m_new) : 0.0f;
+        l[r] += p;
+        s_p[rows[r] * kPrefillProbStride + tx + 8 * c] = p;
+      }
+    }
+    __syncthreads();
+
+    const int keys_here = min(kPrefillKeys, kv_end - kv0);
+    for (int j = 0; j < keys_here; ++j) {
+      const float pa = s_p[rows[0] * kPrefillProbStride + j];
+      const float pb = s_p[rows[1] * kPrefillProbStride + j];
+#pragma unroll
+      for (int ch = 0; ch < kChunks; ++ch) {
+        const int d = 4 * tx + 32 * ch;
+        if (d < HEAD_DIM) {
+          const float4 vv = *reinterpret_cast<const float4*>(s_v + j * kStride + d);
+          o[0][ch * 4 + 0] = fmaf(pa, vv.x, o[0][ch * 4 + 0]);
+          o[0][ch * 4 + 1] = fmaf(pa, vv.y, o[0][ch * 4 + 1]);
+          o[0][ch * 4 + 2] = fmaf(pa, vv.z, o[0][ch * 4 + 2]);
+          o[0][ch * 4 + 3] = fmaf(pa, vv.w, o[0][ch * 4 + 3]);
+          o[1][ch * 4 + 0] = fmaf(pb, vv.x, o[1][ch * 4 + 0]);
+          o[1][ch * 4 + 1] = fmaf(pb, vv.y, o[1][ch * 4 + 1]);
+          o[1][ch * 4 + 2] = fmaf(pb, vv.z, o[1][ch * 4 + 2]);
+          o[1][ch * 4 + 3] = fmaf(pb, vv.w, o[1][ch * 4 + 3]);
+        }
+      }
+    }
+  }
+
+  // The 8 tx lanes of a row hold partial sums over their columns; m is already row-uniform.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int offset = 1; offset < 8; offset *= 2) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], offset);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] < num_rows) {
+      const long long token = q_begin + tok0 + rows[r] / group_size;
+      const long long head = static_cast<long long>(kv_head) * group_size + rows[r] % group_size;
+      T* dst = out + token * out_token_stride + head * HEAD_DIM;
+      const float inv_sum = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+#pragma unroll
+      for (int ch = 0; ch < kChunks; ++ch) {
+        const int d = 4 * tx + 32 * ch;
+        if (d < HEAD_DIM) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            VecTraits<T>::store(dst + d + i, o[r][ch * 4 + i] * inv_sum);
+          }
+        }
+      }
+    }
+  }
+}
