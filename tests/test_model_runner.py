@@ -5,89 +5,17 @@ chunked prefill, preemption with recompute, prefix-cache hits and batch reshuffl
 leave the greedy tokens unchanged.
 """
 
-import math
-
 import pytest
 import torch
 
 from core.scheduler import Scheduler, SchedulerConfig
-from kernels import AttentionMetadata, write_kv_and_attend
 from proto import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from scripts.generate import make_requests, run_requests
+from tests.tiny_causal_lm import MAX_MODEL_LEN, VOCAB, TinyCausalLM
 from worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
-VOCAB = 48
-MAX_MODEL_LEN = 64
-
-
-class TinyCausalLM:
-    """Token + position embeddings, `num_layers` GQA attention layers with residuals, lm head."""
-
-    def __init__(
-        self,
-        seed: int = 0,
-        hidden: int = 32,
-        num_heads: int = 4,
-        num_kv_heads: int = 2,
-        head_dim: int = 8,
-        num_layers: int = 2,
-    ) -> None:
-        g = torch.Generator().manual_seed(seed)
-
-        def weight(*shape):
-            return torch.randn(*shape, generator=g) / math.sqrt(shape[0])
-
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.num_layers = num_layers
-        self.embed = torch.randn(VOCAB, hidden, generator=g)
-        self.pos_embed = torch.randn(MAX_MODEL_LEN, hidden, generator=g) * 0.5
-        self.layers = [
-            (
-                weight(hidden, num_heads * head_dim),
-                weight(hidden, num_kv_heads * head_dim),
-                weight(hidden, num_kv_heads * head_dim),
-                weight(num_heads * head_dim, hidden),
-            )
-            for _ in range(num_layers)
-        ]
-        self.lm_head = weight(hidden, VOCAB) * 4
-        self.scale = head_dim**-0.5
-
-    def forward(self, input_ids, positions, kv_caches, metadata: AttentionMetadata):
-        x = self.embed[input_ids] + self.pos_embed[positions]
-        for (wq, wk, wv, wo), kv_cache in zip(self.layers, kv_caches, strict=True):
-            q = (x @ wq).view(-1, self.num_heads, self.head_dim)
-            k = (x @ wk).view(-1, self.num_kv_heads, self.head_dim)
-            v = (x @ wv).view(-1, self.num_kv_heads, self.head_dim)
-            attn = write_kv_and_attend(q, k, v, kv_cache, metadata, self.scale)
-            x = x + attn.reshape(len(x), -1) @ wo
-        return x
-
-    def compute_logits(self, hidden_states):
-        return (hidden_states @ self.lm_head).float()
-
-    def dense_next_token_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits after the last token, computed without any cache."""
-        n = len(token_ids)
-        x = self.embed[torch.tensor(token_ids)] + self.pos_embed[:n]
-        group = self.num_heads // self.num_kv_heads
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        for wq, wk, wv, wo in self.layers:
-            q = (x @ wq).view(n, self.num_heads, self.head_dim).transpose(0, 1)
-            k = (x @ wk).view(n, self.num_kv_heads, self.head_dim).repeat_interleave(group, 1)
-            v = (x @ wv).view(n, self.num_kv_heads, self.head_dim).repeat_interleave(group, 1)
-            scores = (q @ k.permute(1, 2, 0)) * self.scale
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-            x = x + (probs @ v.transpose(0, 1)).transpose(0, 1).reshape(n, -1) @ wo
-        return self.compute_logits(x[-1])
-
-    def dense_greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
-        token_ids = list(prompt)
-        for _ in range(num_tokens):
-            token_ids.append(int(self.dense_next_token_logits(token_ids).argmax()))
-        return token_ids[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -270,3 +198,19 @@ def test_dummy_forward_fills_scratch_cache_without_touching_requests(model):
     assert not torch.isnan(slots[:, :150]).any()
     assert torch.isnan(slots[:, 150:]).all()
     assert runner.requests == {} and runner.input_batch.num_reqs == 0
+
+
+def test_every_eos_id_stops_unless_ignore_eos(model):
+    prompt = random_prompts([7], seed=3)[0]
+    expected = model.dense_greedy(prompt, 10)
+    second_eos = expected[4]
+    stop_at = expected.index(second_eos) + 1
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_gpu_blocks=64)
+    for ignore_eos, num_tokens, reason in ((False, stop_at, "stop"), (True, 10, "length")):
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=ignore_eos)
+        requests = make_requests(
+            [prompt], params, eos_token_ids=(VOCAB + 1, second_eos), block_size=BLOCK_SIZE
+        )
+        result = run_requests(Scheduler(config), make_runner(model, 64), requests).results[0]
+        assert result.token_ids == expected[:num_tokens]
+        assert result.finish_reason == reason

@@ -1,0 +1,105 @@
+"""Worker: argument errors, max_model_len, KV sizing and the full lifecycle on a tiny model."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import worker.model_loader
+from proto import SamplingParams
+from scripts.generate import generate_token_ids
+from tests.tiny_causal_lm import TinyCausalLM
+from worker.worker import Worker, resolve_device, resolve_dtype
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    num_hidden_layers: int = 2
+    num_key_value_heads: int = 2
+    head_dim: int = 8
+    max_position_embeddings: int = 64
+    eos_token_ids: tuple[int, ...] = (3, 7)
+
+
+@pytest.fixture
+def tiny_loader(monkeypatch):
+    """Makes Worker.load_model load TinyCausalLM; records what it was asked for."""
+    calls = []
+
+    def load_model(path, device, dtype, tp_rank=0, tp_size=1):
+        calls.append((path, device, dtype, tp_rank, tp_size))
+        return TinyCausalLM(), TinyConfig()
+
+    monkeypatch.setattr(worker.model_loader, "load_model", load_model)
+    return calls
+
+
+def test_cuda_without_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        RuntimeError, match="device 'cuda' was requested but torch sees no CUDA GPU"
+    ):
+        Worker(device="cuda")
+    assert resolve_device("auto") == CPU
+
+
+def test_unknown_device_and_dtype_name_the_choices():
+    with pytest.raises(ValueError, match=r"device must be one of \('auto', 'cpu', 'cuda'\)"):
+        resolve_device("tpu")
+    with pytest.raises(
+        ValueError, match=r"dtype must be one of \('float32', 'float16', 'bfloat16'\)"
+    ):
+        Worker(device="cpu", dtype="int4")
+
+
+def test_default_dtypes():
+    assert resolve_dtype(None, CPU) == torch.float32
+    assert resolve_dtype(None, torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("float16", CPU) == torch.float16
+
+
+def test_bad_limits_are_rejected():
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        Worker(device="cpu", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1, got 0"):
+        Worker(device="cpu", max_num_seqs=0)
+
+
+def test_max_model_len_is_clamped_to_the_model(tiny_loader, tmp_path):
+    model_file = tmp_path / "tiny.gguf"
+    model_file.touch()
+    w = Worker(str(model_file), device="cpu")
+    w.load_model()
+    assert w.max_model_len == 64
+    assert tiny_loader == [(model_file, CPU, torch.float32, 0, 1)]
+    shorter = Worker(str(model_file), device="cpu", max_model_len=32)
+    shorter.load_model()
+    assert shorter.max_model_len == 32
+    with pytest.raises(ValueError, match="max_model_len=100 exceeds .*max_position_embeddings=64"):
+        Worker(str(model_file), device="cpu", max_model_len=100).load_model()
+
+
+def test_lifecycle_sizes_cache_and_generates(tiny_loader, tmp_path):
+    model_file = tmp_path / "tiny.gguf"
+    model_file.touch()
+    w = Worker(str(model_file), device="cpu", block_size=4, kv_cache_memory_bytes=1 << 20)
+    with pytest.raises(RuntimeError, match="load_model"):
+        w.determine_num_available_blocks()
+    w.load_model()
+    assert w.eos_token_ids == [3, 7]
+    assert w.bytes_per_block == 2 * 4 * 2 * 8 * 2 * 4
+    assert w.determine_num_available_blocks() == (1 << 20) // w.bytes_per_block
+    with pytest.raises(RuntimeError, match="before initialize_cache"):
+        w.execute_model(None)
+
+    w.initialize_cache(40)
+    assert [tuple(c.shape) for c in w.kv_caches] == [(2, 40, 4, 2, 8)] * 2
+    prompts = [[1, 2, 4, 5, 6], [8, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    output = generate_token_ids(
+        prompts, worker=w, sampling_params=params, num_gpu_blocks_override=40
+    )
+    model = TinyCausalLM()
+    assert [r.token_ids for r in output.results] == [model.dense_greedy(p, 6) for p in prompts]
