@@ -1,0 +1,284 @@
+"""Reusable model helpers for tests: reference HF folders, tiny random models, paged inputs.
+
+- `converted_default_model_folder()`: the default SmolLM2 GGUF converted by transformers'
+  own GGUF code into a transformers-loadable HF folder (safetensors, config, tokenizer,
+  generation config), cached on disk across sessions (~100 MB float32) under
+  $CORE_ENGINE_TEST_CACHE or ~/.cache/core-engine-tests, keyed by the GGUF's size and mtime.
+- `build_tiny_model_folder(folder, variant)`: small random-weight HF folders, one per variant
+  in TINY_VARIANTS, written with transformers' `save_pretrained` plus a byte-level tokenizer.
+- `make_kv_caches` / `build_paged_batch`: a KV cache and the `AttentionMetadata` of a varlen
+  batch, with scattered (non-contiguous) block ids so paging is really exercised.
+
+Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import AttentionMetadata
+from proto.model_files import default_model_path
+
+CONVERTER_VERSION = 1
+COMPLETE_MARKER = ".complete"
+
+
+def test_cache_root() -> Path:
+    """Where converted models are cached between test sessions."""
+    root = os.environ.get("CORE_ENGINE_TEST_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "core-engine-tests"
+
+
+def converted_default_model_folder() -> Path:
+    """The default GGUF as an HF folder, converted once by transformers and cached on disk.
+
+    The conversion is transformers' own (dequantize + undo llama.cpp's Q/K permutation), so
+    it is an independent reference for `worker.gguf_loader`. Safe against concurrent builders:
+    the folder is built aside and renamed into place.
+    """
+    gguf_path = default_model_path()
+    stat = gguf_path.stat()
+    key_text = f"{CONVERTER_VERSION}:{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:12]
+    folder = test_cache_root() / f"{gguf_path.stem}-hf-{key}"
+    if (folder / COMPLETE_MARKER).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
+    try:
+        convert_gguf_to_hf_folder(gguf_path, staging)
+        (staging / COMPLETE_MARKER).touch()
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staging, folder)
+    except OSError:
+        if not (folder / COMPLETE_MARKER).is_file():  # lost a race only if the winner finished
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def convert_gguf_to_hf_folder(gguf_path: Path, folder: Path) -> None:
+    """Writes config.json, generation_config.json, model.safetensors and tokenizer files."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = load_gguf_checkpoint(str(gguf_path))["config"]
+    parsed.pop("_model_name_or_path", None)
+    config = AutoConfig.for_model(**parsed)
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(meta_model).__name__]
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=meta_model)[
+        "tensors"
+    ]
+    save_file(
+        {name: t.contiguous() for name, t in tensors.items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    config.save_pretrained(folder)
+    GenerationConfig(
+        bos_token_id=parsed.get("bos_token_id"), eos_token_id=parsed.get("eos_token_id")
+    ).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(folder)
+
+
+@dataclass(frozen=True, slots=True)
+class TinyVariant:
+    """A small random-weight model of one architecture flavour."""
+
+    name: str
+    architecture: str
+    config_kwargs: dict
+
+
+_TINY_COMMON = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+TINY_VARIANTS = {
+    variant.name: variant
+    for variant in (
+        TinyVariant("llama_untied", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+        TinyVariant(
+            "llama3_rope",
+            "LlamaForCausalLM",
+            {
+                "tie_word_embeddings": True,
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
+        ),
+        TinyVariant("qwen2_bias", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+        TinyVariant(
+            "qwen3_qk_norm", "Qwen3ForCausalLM", {"head_dim": 24, "tie_word_embeddings": True}
+        ),
+        TinyVariant(
+            "mistral_8_heads",
+            "MistralForCausalLM",
+            {"num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": None},
+        ),
+    )
+}
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+
+def build_tiny_model_folder(folder: Path, variant_name: str, seed: int = 0, **save_kwargs) -> Path:
+    """Writes a random-weight HF folder for TINY_VARIANTS[variant_name]; returns `folder`.
+
+    Every parameter (norm weights and biases included) is drawn at random so that a missing
+    bias or a misplaced norm changes the logits. `save_kwargs` go to `save_pretrained`
+    (e.g. max_shard_size="100KB" for a sharded checkpoint with an index file).
+    """
+    import transformers
+
+    variant = TINY_VARIANTS[variant_name]
+    model_class = getattr(transformers, variant.architecture)
+    config = model_class.config_class(**{**_TINY_COMMON, **variant.config_kwargs})
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    randomize_parameters(model, seed)
+    folder = Path(folder)
+    model.save_pretrained(folder, **save_kwargs)
+    write_byte_level_tokenizer(folder)
+    return folder
+
+
+def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights ~ 1 + N(0, 0.1), biases ~ N(0, 0.1), matrices ~ N(0, 0.1)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator) * 0.1
+            param.copy_(1.0 + noise if "norm" in name else noise)
+
+
+def write_byte_level_tokenizer(folder: Path) -> None:
+    """tokenizer.json (byte-level BPE, no merges: one token per byte after 3 specials) and
+    tokenizer_config.json with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for symbol in sorted(alphabet):
+        vocab[symbol] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "chat_template": CHATML_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def make_kv_caches(
+    config, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """One zeroed cache per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """Model inputs of one step: flattened tokens, their positions and the attention metadata."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+
+
+def build_paged_batch(
+    token_ids_per_request: list[list[int]],
+    num_computed_per_request: list[int],
+    block_ids_per_request: list[list[int]],
+    block_size: int,
+) -> PagedBatch:
+    """Schedules, for each request r, its tokens [num_computed[r], len(token_ids[r])).
+
+    The cache must already hold tokens [0, num_computed[r]) of request r in its blocks.
+    """
+    input_ids, positions, slots, query_start_loc = [], [], [], [0]
+    for token_ids, num_computed, block_ids in zip(
+        token_ids_per_request, num_computed_per_request, block_ids_per_request, strict=True
+    ):
+        for position in range(num_computed, len(token_ids)):
+            input_ids.append(token_ids[position])
+            positions.append(position)
+            slots.append(block_ids[position // block_size] * block_size + position % block_size)
+        query_start_loc.append(len(input_ids))
+    max_blocks = max(len(block_ids) for block_ids in block_ids_per_request)
+    block_table = torch.zeros(len(block_ids_per_request), max_blocks, dtype=torch.int32)
+    for row, block_ids in enumerate(block_ids_per_request):
+        block_table[row, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+    seq_lens = [len(token_ids) for token_ids in token_ids_per_request]
+    query_lens = [
+        end - start for start, end in zip(query_start_loc[:-1], query_start_loc[1:], strict=True)
+    ]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_table=block_table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return PagedBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        metadata=metadata,
+    )
+
+
+def scattered_block_ids(seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Disjoint block lists, one per request, interleaved across requests and never block 0.
+
+    Request r's i-th block is 1 + i * num_reqs + r, so consecutive blocks of one request are
+    never adjacent in memory (when there are several requests).
+    """
+    num_reqs = len(seq_lens)
+    return [
+        [1 + i * num_reqs + r for i in range(-(-seq_len // block_size))]
+        for r, seq_len in enumerate(seq_lens)
+    ]
+
+
+def num_blocks_needed(block_ids_per_request: list[list[int]]) -> int:
+    """Cache size (in blocks) that holds every listed block id."""
+    return 1 + max(max(block_ids) for block_ids in block_ids_per_request)

@@ -1,0 +1,335 @@
+"""Building blocks of the Llama family: RMSNorm, RoPE, SiLU-and-mul, tensor-parallel linears.
+
+Tensor parallelism (Megatron style): column-parallel layers split their output features over
+ranks, row-parallel layers split their input features and all-reduce the partial sums, the
+embedding and LM head split the vocabulary. Every parameter carries a `weight_loader` that
+takes the FULL checkpoint tensor and copies in this rank's slice, so loaders never know about
+ranks. With `tp_size == 1` (today's only tested case) the collectives are no-ops; with more
+they use the default torch.distributed process group.
+
+Numerics follow transformers' Llama exactly (norm in float32, RoPE angles in float32, same
+operation order), so logits match it to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / denominator, or ValueError naming `what` when it does not split evenly."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
+    return numerator // denominator
+
+
+def tensor_parallel_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sums `x` over the tensor-parallel ranks in place; identity when tp_size == 1."""
+    if tp_size > 1:
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def tensor_parallel_all_gather(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Concatenates every rank's `x` along the last dim (rank order); identity when tp_size == 1."""
+    if tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Copies a replicated weight; the shapes must match exactly."""
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit a parameter "
+            f"of shape {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+def _new_parameter(*shape: int, weight_loader) -> nn.Parameter:
+    # Uninitialized: every parameter is overwritten from the checkpoint (the loader checks).
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = weight_loader
+    return param
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), normalized in float32, over the last dim."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_parameter(hidden_size, weight_loader=default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE angles for rotate-half (NEOX/HF) layout: `forward(positions)` -> (cos, sin) [T, D].
+
+    `rope_scaling` None, {"rope_type": "linear", "factor"} or Llama 3's
+    {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}; angles are computed on the fly, so any position works.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (
+            rope_theta
+            ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
+        )
+        rope_type = (rope_scaling or {}).get("rope_type", "default")
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(rope_scaling["factor"])
+        elif rope_type == "llama3":
+            inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling)
+        elif rope_type != "default":
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling (transformers' `_compute_llama3_parameters`)."""
+    factor = float(rope_scaling["factor"])
+    low_freq_factor = float(rope_scaling["low_freq_factor"])
+    high_freq_factor = float(rope_scaling["high_freq_factor"])
+    old_context_len = float(rope_scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by (cos, sin) [T, D] (float32), computed in x's dtype."""
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2 * I] -> silu(first half) * second half, [..., I] (gate, then up)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split over ranks: rank r holds rows [r*n, (r+1)*n)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.output_size_per_rank = divide(output_size, tp_size, "output_size")
+        self.weight = _new_parameter(
+            self.output_size_per_rank, input_size, weight_loader=self.weight_loader
+        )
+        self.bias = (
+            _new_parameter(self.output_size_per_rank, weight_loader=self.weight_loader)
+            if bias
+            else None
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate + up).
+
+    Shard i of the checkpoint (`output_sizes[i]` rows) lands in rows
+    [sum(output_sizes[:i]) / tp, ...) of this rank's weight.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int
+    ) -> None:
+        size = divide(self.output_sizes[shard_id], self.tp_size, "output_size")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = param.data.narrow(0, offset, size)
+        default_weight_loader(shard, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul; rows are [q heads | k heads | v heads] of this rank.
+
+    Query heads split evenly over ranks. KV heads split too, or, when there are fewer KV heads
+    than ranks, each rank holds the one KV head its query heads read (replicated).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
+        if tp_size >= num_kv_heads:
+            if tp_size % num_kv_heads != 0:
+                raise ValueError(
+                    f"tp_size={tp_size} exceeds num_key_value_heads={num_kv_heads} and is not "
+                    "a multiple of it, so KV heads cannot be replicated evenly"
+                )
+            self.num_kv_heads = 1
+            self.kv_head_offset = tp_rank * num_kv_heads // tp_size
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_head_offset = tp_rank * self.num_kv_heads
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str
+    ) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+        elif shard_id == "k":
+            offset, size, start = self.q_size, self.kv_size, self.kv_head_offset * self.head_dim
+        elif shard_id == "v":
+            offset = self.q_size + self.kv_size
+            size, start = self.kv_size, self.kv_head_offset * self.head_dim
+        else:
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        default_weight_loader(
+            param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size)
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T (+ b once): W's input columns split over ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_rank = divide(input_size, tp_size, "input_size")
+        self.weight = _new_parameter(
+            output_size, self.input_size_per_rank, weight_loader=self.weight_loader
+        )
+        self.bias = (
+            _new_parameter(output_size, weight_loader=default_weight_loader) if bias else None
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        size = param.shape[1]
+        default_weight_loader(param, loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        return tensor_parallel_all_reduce(F.linear(x, self.weight, bias), self.tp_size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over ranks in contiguous ranges.
+
+    Each rank holds ceil(vocab / tp) rows (the last rank's tail rows are zero padding); a token
+    outside a rank's range embeds to zero there, and the all-reduce sums the one real row.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_embeddings_per_rank = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.num_embeddings_per_rank
+        self.weight = _new_parameter(
+            self.num_embeddings_per_rank, embedding_dim, weight_loader=self.weight_loader
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"checkpoint embedding has {loaded_weight.shape[0]} rows, the model config "
+                f"says vocab_size={self.num_embeddings}"
+            )
+        num_rows = max(0, min(self.num_embeddings - self.vocab_start, param.shape[0]))
+        param.data.zero_()
+        default_weight_loader(
+            param.data.narrow(0, 0, num_rows), loaded_weight.narrow(0, self.vocab_start, num_rows)
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        is_local = (local_ids >= 0) & (local_ids < self.num_embeddings_per_rank)
+        embeddings = F.embedding(local_ids.clamp(0, self.num_embeddings_per_rank - 1), self.weight)
+        embeddings = embeddings * is_local[:, None].to(embeddings.dtype)
+        return tensor_parallel_all_reduce(embeddings, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to vocabulary logits, split over ranks like the embedding."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab_size] (gathered on every rank)."""
+        logits = F.linear(hidden_states, self.weight)
+        logits = tensor_parallel_all_gather(logits, self.tp_size)
+        return logits[:, : self.num_embeddings].float()

@@ -1,0 +1,24 @@
+"""Model definitions, looked up by the HF architecture name in `ModelConfig.architecture`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from worker.model_config import SUPPORTED_ARCHITECTURES
+from worker.models.llama import LlamaForCausalLM
+
+# Every supported architecture is the same Llama-family definition with different flags.
+ARCHITECTURE_TO_MODEL_CLASS = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The nn.Module class for `architecture`; ValueError listing the supported ones."""
+    if architecture not in ARCHITECTURE_TO_MODEL_CLASS:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: "
+            f"{', '.join(ARCHITECTURE_TO_MODEL_CLASS)}"
+        )
+    return ARCHITECTURE_TO_MODEL_CLASS[architecture]
+
+
+__all__ = ["ARCHITECTURE_TO_MODEL_CLASS", "LlamaForCausalLM", "get_model_class"]
