@@ -63,7 +63,6 @@ class EngineCoreProc:
         endpoints = frontend_endpoints(frontend_address)
         self.input_socket = self.context.socket(zmq.DEALER)
         self.input_socket.setsockopt(zmq.ROUTING_ID, f"core-{os.getpid()}".encode())
-        self.input_socket.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
         self.input_socket.connect(endpoints.requests)
         self.output_socket = self.context.socket(zmq.PUSH)
         self.output_socket.connect(endpoints.outputs)
@@ -176,6 +175,8 @@ class EngineCoreProc:
     # ---- input thread ----------------------------------------------------------------------
 
     def _input_loop(self) -> None:
+        # The size limit is the decoder's, not zmq.MAXMSGSIZE: on a connecting socket an
+        # oversized message would cut the link to the frontend for good (no reconnect).
         decoder = MessageDecoder(
             [EngineCoreRequest, AbortRequests, UtilityRequest], self.config.max_frame_bytes
         )
@@ -193,7 +194,7 @@ class EngineCoreProc:
             message = decoder.decode(frames)
         except MessageDecodeError as exc:
             logger.warning("rejected a malformed frame from the frontend: %s", exc)
-            request_id = _peek_request_id(frames)
+            request_id = _peek_request_id(frames, self.config.max_frame_bytes)
             if request_id is not None:
                 self._send_error(request_id, f"malformed request: {exc}")
             return None
@@ -268,9 +269,11 @@ def _ignore_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _peek_request_id(frames: list[memoryview]) -> str | None:
+def _peek_request_id(frames: list[memoryview], max_frame_bytes: int) -> str | None:
     """The request id of a frame typed EngineCoreRequest whose fields failed validation."""
     if len(frames) != 2 or bytes(frames[0]) != TYPE_TO_CODE[EngineCoreRequest]:
+        return None
+    if len(frames[1]) > max_frame_bytes:
         return None
     try:
         fields = msgspec.msgpack.decode(frames[1])

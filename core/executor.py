@@ -60,11 +60,8 @@ class Executor:
         self.ipc_dir = tempfile.mkdtemp(prefix="workers-", dir=parent_dir)
         self.workers: list[WorkerProcess] = []
         self._encoder = MessageEncoder()
-        self._decoder = MessageDecoder(
-            [WorkerReady, KVCacheReady, ModelRunnerOutput, WorkerError], config.max_frame_bytes
-        )
+        self._decoder = MessageDecoder([WorkerReady, KVCacheReady, ModelRunnerOutput, WorkerError])
         self._output_socket = context.socket(zmq.PULL)
-        self._output_socket.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
         output_address = f"ipc://{self.ipc_dir}/outputs"
         self._output_socket.bind(output_address)
         try:

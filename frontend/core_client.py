@@ -95,6 +95,11 @@ class AsyncCoreClient:
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
+    @property
+    def core_pid(self) -> int | None:
+        """The pid of the core this client launched (None for a core started separately)."""
+        return self._process.pid if self._process is not None else None
+
     # ---- start-up --------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -129,13 +134,11 @@ class AsyncCoreClient:
         endpoints = frontend_endpoints(address)
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished core raises, not drops
-        self._router.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
         if not self.launch_core:
             self._router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
             self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._router.bind(endpoints.requests)
         self._pull = self._context.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
         self._pull.bind(endpoints.outputs)
 
     def _launch_core(self) -> subprocess.Popen:

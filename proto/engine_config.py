@@ -28,7 +28,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_model_len: None = the model's own context length (the minimum over workers).
     num_gpu_blocks_override: use exactly this many KV blocks instead of what workers measured.
     *_timeout_s: every wait for another process is bounded by one of these.
-    max_frame_bytes: incoming frames larger than this are refused on every socket.
+    max_frame_bytes: the engine core refuses larger frames from the frontend (and the client
+    larger frames from the core); the core <-> worker link is internal and unlimited.
     """
 
     model: str | None = None

@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
 
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
-    input_socket.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
     input_socket.connect(args.input_address)
     output_socket = context.socket(zmq.PUSH)
     output_socket.connect(args.output_address)
@@ -76,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(worker, rank: int, config: EngineConfig, input_socket, output_socket, encoder) -> None:
     """Answers the core's messages until `Shutdown`; malformed input raises (fatal)."""
-    decoder = MessageDecoder([InitKVCache, SchedulerOutput, Shutdown], config.max_frame_bytes)
+    # No size limit: the core is trusted, and one step may carry many full prompts.
+    decoder = MessageDecoder([InitKVCache, SchedulerOutput, Shutdown], sys.maxsize)
     while True:
         message = decoder.decode(input_socket.recv_multipart())
         if isinstance(message, SchedulerOutput):

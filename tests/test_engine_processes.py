@@ -1,0 +1,417 @@
+"""The multi-process engine with real processes and the NullWorker (model "null").
+
+Each test starts its own core and workers and checks at the end that none of them is left and
+that the private ipc directory is gone. Waits are bounded by asyncio timeouts and pytest-timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from frontend.core_client import AsyncCoreClient, EngineDeadError
+from proto import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    FinishReason,
+    MessageDecoder,
+    MessageEncoder,
+    SamplingParams,
+    SchedulerStats,
+)
+from proto.codec import TYPE_TO_CODE
+from proto.endpoints import frontend_endpoints
+from proto.engine_config import EngineConfig
+from worker.null_worker import NULL_TOKEN_ID
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+OUTPUT_TIMEOUT_S = 10.0
+# Room for ~100k null tokens per request: long enough that nothing finishes before we act.
+LONG_RUNNING = {"max_num_seqs": 8, "max_model_len": 100_000}
+
+
+# ---- process helpers -------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first, then ppid), or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def is_alive(pid: int) -> bool:
+    """Running, i.e. neither gone nor a zombie waiting to be reaped."""
+    fields = _proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        fields = _proc_stat(int(entry)) if entry.isdigit() else None
+        if fields is not None and fields[0] != "Z" and int(fields[1]) == pid:
+            children.append(int(entry))
+    return children
+
+
+async def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def next_item(queue: asyncio.Queue) -> EngineCoreOutput | Exception:
+    return await asyncio.wait_for(queue.get(), OUTPUT_TIMEOUT_S)
+
+
+async def last_item(queue: asyncio.Queue) -> EngineCoreOutput | Exception:
+    """Skips unfinished outputs; returns the finished output or the exception that ends them."""
+    while isinstance(item := await next_item(queue), EngineCoreOutput) and not item.finished:
+        pass
+    return item
+
+
+async def collect(queue: asyncio.Queue) -> list[EngineCoreOutput]:
+    """Every output of one request up to its finished one; raises what the queue raises."""
+    outputs = []
+    while True:
+        item = await next_item(queue)
+        if isinstance(item, Exception):
+            raise item
+        outputs.append(item)
+        if item.finished:
+            return outputs
+
+
+def tokens_of(outputs: list[EngineCoreOutput]) -> list[int]:
+    return [token for output in outputs for token in output.new_token_ids]
+
+
+def request(request_id: str, num_prompt_tokens: int = 20, **params) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, list(range(num_prompt_tokens)), SamplingParams(**params))
+
+
+@contextlib.asynccontextmanager
+async def running_engine(**config_fields):
+    """A started client with its core and workers; on exit: shut down, nothing may remain."""
+    client = AsyncCoreClient(EngineConfig(model="null", **config_fields))
+    await client.start()
+    pids = [client.core_pid, *child_pids(client.core_pid)]
+    ipc_dir = Path(client.address.removeprefix("ipc://")).parent
+    try:
+        yield client, pids
+    finally:
+        await client.shutdown()
+        assert [pid for pid in pids if is_alive(pid)] == []
+        assert not ipc_dir.exists()
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---- serving ---------------------------------------------------------------------------------
+
+
+def test_requests_round_trip_with_logprobs_and_stop_tokens():
+    async def scenario():
+        async with running_engine() as (client, pids):
+            assert client.ready == EngineReady(
+                num_gpu_blocks=256 * 256 + 1, block_size=16, max_model_len=4096
+            )
+            assert len(pids) == 2  # the core and one worker
+            plain = client.add_request(request("plain", max_tokens=5))
+            with_logprobs = client.add_request(request("logprobs", max_tokens=2, logprobs=3))
+            stopped = client.add_request(
+                request("stop", max_tokens=9, stop_token_ids=[NULL_TOKEN_ID])
+            )
+            outputs = await collect(plain)
+            assert tokens_of(outputs) == [NULL_TOKEN_ID] * 5
+            assert outputs[-1].finish_reason == FinishReason.LENGTH
+            outputs = await collect(with_logprobs)
+            assert [len(o.new_logprobs[0].top_token_ids) for o in outputs] == [3, 3]
+            outputs = await collect(stopped)
+            assert tokens_of(outputs) == [NULL_TOKEN_ID]
+            assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == (
+                FinishReason.STOP,
+                NULL_TOKEN_ID,
+            )
+            with pytest.raises(ValueError, match="already in flight"):
+                client.add_request(request("dup", max_tokens=None))
+                client.add_request(request("dup"))
+            assert isinstance(client.latest_stats, SchedulerStats)
+
+    asyncio.run(scenario())
+
+
+def test_64_concurrent_requests_complete_and_kv_usage_returns_to_zero():
+    async def scenario():
+        async with running_engine(max_num_seqs=16, max_num_batched_tokens=256) as (client, _):
+            queues = [
+                client.add_request(request(f"r{i}", 10 + i, max_tokens=8 + i % 5))
+                for i in range(64)
+            ]
+            results = await asyncio.gather(*(collect(queue) for queue in queues))
+            for i, outputs in enumerate(results):
+                assert tokens_of(outputs) == [NULL_TOKEN_ID] * (8 + i % 5)
+            stats = await client.get_stats()
+            assert (stats.kv_cache_usage, stats.num_running_reqs, stats.num_waiting_reqs) == (
+                0,
+                0,
+                0,
+            )
+            assert stats.num_generation_tokens == sum(8 + i % 5 for i in range(64))
+            assert await client.reset_prefix_cache() is True
+
+    asyncio.run(scenario())
+
+
+def test_abort_frees_blocks_and_finishes_the_queue():
+    async def scenario():
+        async with running_engine(**LONG_RUNNING) as (client, _):
+            queue = client.add_request(request("long", 100, max_tokens=None))
+            assert (await next_item(queue)).finish_reason is None
+            assert (await client.get_stats()).kv_cache_usage > 0
+            assert await client.reset_prefix_cache() is False  # blocks are in use
+            await client.abort(["long", "never-existed"])
+            assert (await last_item(queue)).finish_reason == FinishReason.ABORT
+            assert queue.empty()
+            stats = await client.get_stats()
+            assert (stats.kv_cache_usage, stats.num_running_reqs) == (0, 0)
+            follow_up = await collect(client.add_request(request("after", max_tokens=2)))
+            assert tokens_of(follow_up) == [NULL_TOKEN_ID] * 2
+
+    asyncio.run(scenario())
+
+
+def test_too_long_and_invalid_prompts_come_back_as_errors_and_the_engine_keeps_serving():
+    async def scenario():
+        async with running_engine() as (client, _):
+            outputs = await collect(client.add_request(request("too-long", 4097)))
+            assert outputs[-1].finish_reason == FinishReason.ERROR
+            assert "4097 tokens" in outputs[-1].error and "max_model_len=4096" in outputs[-1].error
+            negative = EngineCoreRequest("negative", [1, -5], SamplingParams())
+            outputs = await collect(client.add_request(negative))
+            assert outputs[-1].finish_reason == FinishReason.ERROR and "-5" in outputs[-1].error
+            empty = await collect(client.add_request(request("empty", 0)))
+            assert empty[-1].finish_reason == FinishReason.ERROR and "empty" in empty[-1].error
+            fine = await collect(client.add_request(request("fine", max_tokens=3)))
+            assert tokens_of(fine) == [NULL_TOKEN_ID] * 3
+
+    asyncio.run(scenario())
+
+
+def test_tensor_parallel_workers_all_start_and_rank_0_answers():
+    async def scenario():
+        async with running_engine(tensor_parallel_size=2) as (client, pids):
+            assert len(pids) == 3  # the core and two workers
+            outputs = await collect(client.add_request(request("tp", max_tokens=4)))
+            assert tokens_of(outputs) == [NULL_TOKEN_ID] * 4
+
+    asyncio.run(scenario())
+
+
+# ---- malformed input -------------------------------------------------------------------------
+
+
+class RawFrontend:
+    """Binds the frontend sockets itself and runs `python -m core` as a hand-started core."""
+
+    def __init__(self, ipc_dir: Path, *core_flags: str) -> None:
+        self.context = zmq.Context()
+        address = f"ipc://{ipc_dir}/engine"
+        endpoints = frontend_endpoints(address)
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.bind(endpoints.requests)
+        self.pull = self.context.socket(zmq.PULL)
+        self.pull.bind(endpoints.outputs)
+        argv = [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
+        self.process = subprocess.Popen([*argv, "--watch-parent", *core_flags])
+        self.encoder = MessageEncoder()
+        self.output_decoder = MessageDecoder([EngineCoreOutputs])
+        assert self.router.poll(30_000), "the core never sent EngineReady"
+        self.routing_id, *frames = self.router.recv_multipart()
+        self.ready = MessageDecoder([EngineReady]).decode(frames)
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.router.send_multipart([self.routing_id, *frames])
+
+    def send(self, message: msgspec.Struct) -> None:
+        self.send_frames(self.encoder.encode(message))
+
+    def wait_finished(self, request_id: str) -> EngineCoreOutput:
+        deadline = time.monotonic() + OUTPUT_TIMEOUT_S
+        while self.pull.poll(max(deadline - time.monotonic(), 0) * 1000):
+            for output in self.output_decoder.decode(self.pull.recv_multipart()).outputs:
+                if output.request_id == request_id and output.finished:
+                    return output
+        raise AssertionError(f"no finished output for {request_id!r}")
+
+    def close(self) -> None:
+        self.process.terminate()
+        assert self.process.wait(OUTPUT_TIMEOUT_S) == 0
+        self.router.close(linger=0)
+        self.pull.close(linger=0)
+        self.context.term()
+
+
+def test_garbage_and_wrongly_typed_frames_are_rejected_and_the_engine_keeps_serving(tmp_path):
+    frontend = RawFrontend(tmp_path, "--max-frame-bytes", "65536")
+    worker_pids = child_pids(frontend.process.pid)
+    try:
+        request_code = TYPE_TO_CODE[EngineCoreRequest]
+        frontend.send_frames([b"one frame only"])
+        frontend.send_frames([b"\xff", b"unknown type code"])
+        frontend.send_frames([request_code, b"\xc1 not msgpack"])
+        frontend.send(EngineReady(1, 2, 3))  # a real message, but not one the core accepts
+        frontend.send_frames([request_code, msgspec.msgpack.encode(["typed", "not a list", {}])])
+        bad_params = msgspec.msgpack.encode(["bad-params", [1, 2], {"temperature": -1.0}])
+        frontend.send_frames([request_code, bad_params])
+        frontend.send_frames([request_code, b"x" * 100_000])  # over max_frame_bytes
+
+        for request_id, text in [("typed", "Expected `array`"), ("bad-params", "temperature")]:
+            output = frontend.wait_finished(request_id)
+            assert output.finish_reason == FinishReason.ERROR
+            assert "malformed request" in output.error and text in output.error
+        frontend.send(request("ok", max_tokens=2))
+        assert frontend.wait_finished("ok").finish_reason == FinishReason.LENGTH
+        assert frontend.process.poll() is None
+    finally:
+        frontend.close()
+    assert [pid for pid in worker_pids if is_alive(pid)] == []
+    assert list(tmp_path.glob("workers-*")) == []
+
+
+# ---- failures and shutdown -------------------------------------------------------------------
+
+
+def test_kill_9_of_a_worker_fails_every_in_flight_request_and_the_core_exits():
+    async def scenario():
+        async with running_engine(**LONG_RUNNING) as (client, pids):
+            core_pid, worker_pid = pids
+            queues = [client.add_request(request(f"r{i}", 30, max_tokens=None)) for i in range(5)]
+            for queue in queues:
+                assert (await next_item(queue)).finish_reason is None
+            os.kill(worker_pid, signal.SIGKILL)
+            started = time.monotonic()
+            for queue in queues:
+                item = await last_item(queue)
+                assert item.finish_reason == FinishReason.ERROR
+                assert f"worker rank 0 (pid {worker_pid}) died (signal SIGKILL)" in item.error
+            assert time.monotonic() - started < 10
+            await wait_until(lambda: client.is_dead, 10, "the client sees the engine die")
+            assert "worker rank 0" in client.dead_reason
+            await wait_until(lambda: not is_alive(core_pid), 10, "the core exits")
+            with pytest.raises(EngineDeadError, match="worker rank 0"):
+                client.add_request(request("late"))
+
+    asyncio.run(scenario())
+
+
+def test_kill_9_of_the_core_raises_engine_dead_error_and_the_worker_exits():
+    async def scenario():
+        async with running_engine(**LONG_RUNNING) as (client, pids):
+            core_pid, worker_pid = pids
+            queue = client.add_request(request("long", max_tokens=None))
+            assert (await next_item(queue)).finish_reason is None
+            os.kill(core_pid, signal.SIGKILL)
+            item = await last_item(queue)
+            assert isinstance(item, EngineDeadError) and "signal SIGKILL" in str(item)
+            with pytest.raises(EngineDeadError, match="SIGKILL"):
+                client.add_request(request("late"))
+            with pytest.raises(EngineDeadError):
+                await client.get_stats()
+            await wait_until(lambda: not is_alive(worker_pid), 10, "the orphaned worker exits")
+
+    asyncio.run(scenario())
+
+
+def test_sigterm_of_the_core_exits_cleanly_without_leftovers():
+    async def scenario():
+        async with running_engine(**LONG_RUNNING) as (client, pids):
+            core_pid, worker_pid = pids
+            ipc_dir = Path(client.address.removeprefix("ipc://")).parent
+            assert len(list(ipc_dir.glob("workers-*"))) == 1
+            queue = client.add_request(request("long", max_tokens=None))
+            assert (await next_item(queue)).finish_reason is None
+            os.kill(core_pid, signal.SIGTERM)
+            item = await last_item(queue)
+            assert isinstance(item, EngineDeadError) and "stopped by SIGTERM" in str(item)
+            await wait_until(lambda: client._process.poll() is not None, 10, "the core exits")
+            assert client._process.returncode == 0
+            assert not is_alive(worker_pid)
+            assert list(ipc_dir.glob("workers-*")) == []
+
+    asyncio.run(scenario())
+
+
+def test_a_core_that_cannot_start_fails_start_and_leaves_nothing():
+    async def scenario():
+        client = AsyncCoreClient(EngineConfig(model="null", num_gpu_blocks_override=2))
+        with pytest.raises(EngineDeadError, match="cannot hold one request of max_model_len=4096"):
+            await client.start()
+        assert client._process.poll() is not None
+        assert not Path(client.address.removeprefix("ipc://")).parent.exists()
+
+    asyncio.run(scenario())
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second, contextlib.suppress(OSError):
+                second.bind(("127.0.0.1", port + 1))
+                return port
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed():
+    async def scenario():
+        address = f"tcp://127.0.0.1:{_free_port_pair()}"
+        argv = [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
+        core = subprocess.Popen([*argv, *("--max-num-seqs", "4", "--max-model-len", "100000")])
+        worker_pids: list[int] = []
+        client = AsyncCoreClient(EngineConfig(model="null"), address, launch_core=False)
+        try:
+            await client.start()
+            assert client.core_pid is None and client.ready.max_model_len == 100_000
+            worker_pids = child_pids(core.pid)
+            outputs = await collect(client.add_request(request("tcp", max_tokens=3)))
+            assert tokens_of(outputs) == [NULL_TOKEN_ID] * 3
+            queue = client.add_request(request("long", max_tokens=None))
+            assert (await next_item(queue)).finish_reason is None
+            core.kill()
+            item = await last_item(queue)
+            assert isinstance(item, EngineDeadError) and "disconnected" in str(item)
+            await wait_until(
+                lambda: not any(map(is_alive, worker_pids)), 10, "the orphaned worker exits"
+            )
+        finally:
+            await client.shutdown()
+            kill_all([core.pid, *worker_pids])
+            core.wait()
+
+    asyncio.run(scenario())
