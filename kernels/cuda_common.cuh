@@ -3,7 +3,8 @@
 // NVRTC-safe by construction: no host headers (not even cuda_fp16.h / cuda_bf16.h), no INFINITY,
 // no printf. Half and bfloat16 are opaque 16-bit storage types converted with PTX `cvt`, so the
 // same source compiles under NVRTC (CuPy) and `nvcc -ptx` without any include path.
-// The module loader inlines this file into each .cu before compiling.
+// The module loader inlines this file into each .cu before compiling. Without __CUDA_ARCH__
+// (the tests' CPU emulator compiles these sources as host C++) conversions run in software.
 #pragma once
 
 // Storage-only 16-bit float types: all math happens in fp32.
@@ -19,15 +20,65 @@ struct bf16_t {
 constexpr float kNegBig = -1.0e30f;
 
 __device__ __forceinline__ float half_bits_to_float(unsigned short bits) {
+#if defined(__CUDA_ARCH__)
   float value;
   asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
   return value;
+#else
+  // Host build (the CPU emulator used by the tests): the same IEEE conversion in software.
+  const unsigned int sign = static_cast<unsigned int>(bits & 0x8000u) << 16;
+  const unsigned int exponent = (bits >> 10) & 0x1fu;
+  const unsigned int mantissa = bits & 0x3ffu;
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;  // 2^-24
+    return __uint_as_float(__float_as_uint(magnitude) | sign);
+  }
+  if (exponent == 31) {
+    return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
+  }
+  return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+#endif
 }
 
 __device__ __forceinline__ unsigned short float_to_half_bits(float value) {
+#if defined(__CUDA_ARCH__)
   unsigned short bits;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   return bits;
+#else
+  // Host build: round to nearest even, with subnormals, overflow to inf and quiet NaNs.
+  const unsigned int x = __float_as_uint(value);
+  const unsigned int sign = (x >> 16) & 0x8000u;
+  const unsigned int exponent = (x >> 23) & 0xffu;
+  const unsigned int mantissa = x & 0x7fffffu;
+  if (exponent == 0xffu) {
+    return static_cast<unsigned short>(sign | 0x7c00u | (mantissa ? 0x200u : 0u));
+  }
+  const int half_exponent = static_cast<int>(exponent) - 112;
+  if (half_exponent >= 31) {
+    return static_cast<unsigned short>(sign | 0x7c00u);
+  }
+  if (half_exponent <= 0) {
+    if (half_exponent < -10) {
+      return static_cast<unsigned short>(sign);
+    }
+    const unsigned int full = mantissa | 0x800000u;
+    const int shift = 14 - half_exponent;
+    unsigned int rounded = full >> shift;
+    const unsigned int rest = full & ((1u << shift) - 1u);
+    const unsigned int halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (rounded & 1u))) {
+      ++rounded;
+    }
+    return static_cast<unsigned short>(sign | rounded);
+  }
+  unsigned int bits = sign | (static_cast<unsigned int>(half_exponent) << 10) | (mantissa >> 13);
+  const unsigned int rest = mantissa & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (bits & 1u))) {
+    ++bits;  // a carry into the exponent is correct, up to inf
+  }
+  return static_cast<unsigned short>(bits);
+#endif
 }
 
 __device__ __forceinline__ float bf16_bits_to_float(unsigned short bits) {
@@ -40,7 +91,7 @@ __device__ __forceinline__ unsigned short float_to_bf16_bits(float value) {
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   return bits;
 #else
-  // Round to nearest even by hand on architectures without a bf16 cvt; NaN stays a quiet NaN.
+  // Round to nearest even by hand (pre-sm_80 devices, host builds); NaN stays a quiet NaN.
   unsigned int u = __float_as_uint(value);
   if ((u & 0x7fffffffu) > 0x7f800000u) {
     return static_cast<unsigned short>((u >> 16) | 0x0040u);

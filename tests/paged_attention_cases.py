@@ -1,0 +1,173 @@
+"""Paged-attention test cases and a naive dense reference, shared by the kernel tests.
+
+`make_case` builds a varlen batch over a paged cache whose context tokens are already written,
+with blocks scattered in random order, block-table padding pointing at the null block 0, and
+(by default) every unused cache slot poisoned with NaN, so a kernel that reads a slot it must
+not read produces NaN. `naive_attention` is the dense, per-request, explicitly masked
+definition the kernels and the torch reference are checked against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels import AttentionMetadata
+
+
+@dataclass(slots=True)
+class AttentionCase:
+    """One batch: new tokens' q/k/v, the cache holding each request's context, the metadata.
+
+    `keys[r]` / `values[r]` are request r's full [seq_len, H_kv, D] K/V (context, then the new
+    tokens), i.e. what the cache holds after this step's write. Query rows past
+    `query_start_loc[-1]` are padding tokens (slot -1) that belong to no request.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: AttentionMetadata
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    q_lens: list[int]
+    seq_lens: list[int]
+    scale: float
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+def make_case(
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    poison: bool = True,
+    num_padding_tokens: int = 0,
+    seed: int = 0,
+) -> AttentionCase:
+    """A batch where request r has seq_lens[r] tokens, the last q_lens[r] of them new."""
+    if any(q > s for q, s in zip(q_lens, seq_lens, strict=True)):
+        raise ValueError(f"q_lens {q_lens} must not exceed seq_lens {seq_lens}")
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_per_req) + 2
+    order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    block_ids, next_block = [], 0
+    for count in blocks_per_req:
+        block_ids.append(order[next_block : next_block + count])
+        next_block += count
+    max_blocks = max([1, *blocks_per_req]) + 1
+    block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for r, ids in enumerate(block_ids):
+        block_table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+
+    fill = float("nan") if poison else 0.0
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), fill, dtype=dtype)
+    keys, values, new_keys, new_values, slots = [], [], [], [], []
+    for r, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        keys.append(k.to(device))
+        values.append(v.to(device))
+        for pos in range(seq_len):
+            slot = block_ids[r][pos // block_size] * block_size + pos % block_size
+            if pos < seq_len - q_len:
+                kv_cache.view(2, -1, num_kv_heads, head_dim)[0, slot] = k[pos]
+                kv_cache.view(2, -1, num_kv_heads, head_dim)[1, slot] = v[pos]
+            else:
+                slots.append(slot)
+        new_keys.append(k[seq_len - q_len :])
+        new_values.append(v[seq_len - q_len :])
+    num_tokens = sum(q_lens) + num_padding_tokens
+    padding_kv = torch.randn(num_padding_tokens, num_kv_heads, head_dim, generator=generator)
+    key = (
+        torch.cat([*new_keys, padding_kv.to(dtype)])
+        if num_tokens
+        else _empty(num_kv_heads, head_dim, dtype)
+    )
+    value = (
+        torch.cat([*new_values, padding_kv.to(dtype)])
+        if num_tokens
+        else _empty(num_kv_heads, head_dim, dtype)
+    )
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    slot_mapping = torch.tensor(slots + [-1] * num_padding_tokens, dtype=torch.int64)
+    query_start_loc = torch.tensor([0, *_cumsum(q_lens)], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_table=block_table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc.to(device),
+        max_query_len=max(q_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+    )
+    return AttentionCase(
+        query=query.to(device),
+        key=key.to(device),
+        value=value.to(device),
+        kv_cache=kv_cache.to(device),
+        metadata=metadata,
+        keys=keys,
+        values=values,
+        q_lens=list(q_lens),
+        seq_lens=list(seq_lens),
+        scale=head_dim**-0.5,
+    )
+
+
+def write_new_tokens(case: AttentionCase) -> None:
+    """Writes the new tokens into the cache directly (no kernel), as the write step would."""
+    flat = case.kv_cache.view(2, -1, *case.kv_cache.shape[3:])
+    valid = case.metadata.slot_mapping >= 0
+    slots = case.metadata.slot_mapping[valid]
+    flat[0, slots] = case.key[valid].to(case.kv_cache.dtype)
+    flat[1, slots] = case.value[valid].to(case.kv_cache.dtype)
+
+
+def naive_attention(case: AttentionCase, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Dense attention computed in `dtype` for the real tokens: [num_real_tokens, H_q, D].
+
+    Query token i of request r attends to keys 0 ..= seq_len - q_len + i (bottom-right causal).
+    """
+    outputs = []
+    num_heads = case.query.shape[1]
+    start = 0
+    for r, (seq_len, q_len) in enumerate(zip(case.seq_lens, case.q_lens, strict=True)):
+        q = case.query[start : start + q_len].to(dtype)
+        start += q_len
+        if q_len == 0:
+            continue
+        group = num_heads // case.keys[r].shape[1]
+        k = case.keys[r].to(dtype).repeat_interleave(group, dim=1)
+        v = case.values[r].to(dtype).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        outputs.append(torch.einsum("hqk,khd->qhd", probs, v))
+    if not outputs:
+        return torch.empty(0, num_heads, case.query.shape[2], dtype=dtype, device=case.query.device)
+    return torch.cat(outputs)
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    total, out = 0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+def _empty(num_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(0, num_heads, head_dim, dtype=dtype)
