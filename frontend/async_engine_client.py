@@ -1,0 +1,270 @@
+"""`AsyncEngineClient`: the asyncio API of the engine, from prompts to streamed `RequestOutput`s.
+
+It sits on the low-level `AsyncCoreClient` (sockets to the engine core process) and adds what
+users need: tokenization, validation against the context window, n-way fan-out, incremental
+detokenization, stop strings, aborts and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any
+
+from frontend.core_client import AsyncCoreClient, EngineDeadError
+from frontend.metrics import EngineMetrics
+from frontend.null_tokenizer import NullTokenizer
+from frontend.output_processor import OutputProcessor
+from frontend.request_output import RequestOutput
+from proto import EngineCoreOutput, FinishReason, SamplingParams, SchedulerStats
+from proto.engine_config import EngineConfig
+from proto.model_files import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class InvalidPromptError(ValueError):
+    """A prompt the engine cannot serve; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def load_engine_tokenizer(config: EngineConfig) -> Any:
+    """The tokenizer of `config.model`: the byte tokenizer for "null", else the model's own."""
+    if config.is_null_model:
+        return NullTokenizer()
+    from frontend.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path(config.model))
+
+
+class AsyncEngineClient:
+    """Serves requests on an engine core it starts (address None) or one already running.
+
+    Contract: `generate` validates synchronously (raising `ValueError`, or `EngineDeadError` when
+    the core is gone) and returns an async iterator; the request reaches the core when iteration
+    starts and is aborted in the core when the iterator is closed or dropped before it finishes.
+    With `stream=True` the iterator yields deltas (see `RequestOutput`); with `stream=False`
+    exactly one final output. Must be used from one event loop, the one `start` ran on.
+    """
+
+    def __init__(
+        self, config: EngineConfig, address: str | None = None, tokenizer: Any = None
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_engine_tokenizer(config)
+        self.metrics = EngineMetrics(start_time_s=time.monotonic())
+        self._core = AsyncCoreClient(config, address)
+        self._request_id_to_processor: dict[str, OutputProcessor] = {}
+        self._background_tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Starts (or connects to) the engine core and waits until it is ready."""
+        await self._core.start()
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.ready.max_model_len
+
+    @property
+    def is_dead(self) -> bool:
+        return self._core.is_dead
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._request_id_to_processor)
+
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, or a checked copy of a token id prompt."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        token_ids = list(prompt)
+        vocab_size = self.tokenizer.vocab_size
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+                raise InvalidPromptError(
+                    f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})",
+                    param="prompt",
+                )
+        return token_ids
+
+    def apply_chat_template(
+        self, conversation: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        rendered = self.tokenizer.apply_chat_template(
+            list(conversation), add_generation_prompt=add_generation_prompt
+        )
+        if isinstance(rendered, str):
+            # The template already spells out the special tokens (bos, role markers).
+            return self.tokenizer.encode(rendered, add_special_tokens=False)
+        return list(rendered)
+
+    def check_prompt_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raises `InvalidPromptError` unless the prompt plus `max_tokens` fit the context window."""
+        max_model_len = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise InvalidPromptError("the prompt must not be empty", param="prompt")
+        if num_prompt_tokens >= max_model_len:
+            raise InvalidPromptError(
+                f"the prompt is {num_prompt_tokens} tokens long, but this model's maximum "
+                f"context length is {max_model_len} tokens, which must leave room for at least "
+                "one generated token",
+                param="prompt",
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+            raise InvalidPromptError(
+                f"this model's maximum context length is {max_model_len} tokens, but "
+                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
+                f"prompt, max_tokens={max_tokens}); max_tokens may be at most "
+                f"{max_model_len - num_prompt_tokens}",
+                param="max_tokens",
+            )
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        stream: bool = True,
+        priority: int = 0,
+        prompt_text: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submits one request (text or token ids); see the class contract for the iterator.
+
+        `prompt_text` is reported as `RequestOutput.prompt` for token id prompts.
+        """
+        self._raise_if_dead()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        prompt_token_ids = self.tokenize(prompt)
+        self.check_prompt_length(len(prompt_token_ids), params.max_tokens)
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        self._raise_if_running(request_id)
+        processor = OutputProcessor(
+            request_id,
+            prompt if isinstance(prompt, str) else prompt_text,
+            prompt_token_ids,
+            params,
+            self.tokenizer,
+        )
+        return self._run(processor, priority, stream)
+
+    async def abort(self, request_id: str) -> None:
+        """Stops a running request: its iterator ends with finish_reason "abort". No-op if done."""
+        processor = self._request_id_to_processor.get(request_id)
+        if processor is not None:
+            # The core client finishes each aborted core request's queue with an ABORT output.
+            await self._core.abort(processor.unfinished_core_request_ids)
+
+    async def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine core is gone."""
+        self._raise_if_dead()
+
+    async def get_stats(self) -> SchedulerStats:
+        self._raise_if_dead()
+        return await self._core.get_stats()
+
+    async def reset_prefix_cache(self) -> bool:
+        """True if the prefix cache was reset; False while requests hold KV blocks."""
+        self._raise_if_dead()
+        return await self._core.reset_prefix_cache()
+
+    async def shutdown(self) -> None:
+        """Stops the engine core (if this client started it) and every background task."""
+        for task in list(self._background_tasks):
+            task.cancel()
+        await self._core.shutdown()
+
+    def _raise_if_running(self, request_id: str) -> None:
+        if request_id in self._request_id_to_processor:
+            raise ValueError(f"request id {request_id!r} is already running")
+
+    def _raise_if_dead(self) -> None:
+        if self._core.is_dead:
+            raise EngineDeadError(self._core.dead_reason or "the engine core is dead")
+
+    async def _run(
+        self, processor: OutputProcessor, priority: int, stream: bool
+    ) -> AsyncIterator[RequestOutput]:
+        request_id = processor.request_id
+        arrival_time_s = time.monotonic()
+        eos_token_ids = list(self.tokenizer.eos_token_ids)
+        core_requests = processor.make_core_requests(eos_token_ids, time.time(), priority)
+        forwarders: list[asyncio.Task] = []
+        self._raise_if_running(request_id)
+        self._request_id_to_processor[request_id] = processor
+        try:
+            self._raise_if_dead()
+            core_queues = [self._core.add_request(request) for request in core_requests]
+            queue = core_queues[0] if len(core_queues) == 1 else asyncio.Queue()
+            if len(core_queues) > 1:
+                forwarders = [self._spawn(_forward(q, queue)) for q in core_queues]
+            self.metrics.record_request(len(processor.prompt_token_ids))
+            while not processor.finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self._process(processor, item, arrival_time_s)
+                if stream and (delta := processor.make_delta_output()) is not None:
+                    yield delta
+            if not stream:
+                yield processor.make_final_output()
+        finally:
+            del self._request_id_to_processor[request_id]
+            for task in forwarders:
+                task.cancel()
+            if unfinished := processor.unfinished_core_request_ids:
+                processor.abort()
+                self._abort_in_background(unfinished)
+
+    def _process(
+        self, processor: OutputProcessor, output: EngineCoreOutput, arrival_time_s: float
+    ) -> None:
+        choice = processor.choice(output.request_id)
+        if output.new_token_ids and not choice.finished:
+            now_s = time.monotonic()
+            if choice.last_token_time is None:
+                self.metrics.time_to_first_token.observe(now_s - arrival_time_s)
+            else:
+                self.metrics.inter_token_latency.observe(now_s - choice.last_token_time)
+            choice.last_token_time = now_s
+            self.metrics.record_tokens(len(output.new_token_ids))
+        if output.finish_reason == FinishReason.ERROR:
+            logger.warning("request %s failed in the engine: %s", output.request_id, output.error)
+        if processor.process(output):
+            self._abort_in_background([output.request_id])
+
+    def _abort_in_background(self, core_request_ids: list[str]) -> None:
+        """Aborts without awaiting, so that it also works from a cancelled iterator's cleanup."""
+        if not self._core.is_dead:
+            self._spawn(self._core.abort(core_request_ids))
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background_tasks.add(task)
+        task.add_done_callback(self._background_tasks.discard)
+        return task
+
+
+async def _forward(source: asyncio.Queue, target: asyncio.Queue) -> None:
+    """Moves one core request's outputs into its parent request's queue until it finishes."""
+    while True:
+        item = await source.get()
+        target.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            return

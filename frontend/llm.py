@@ -1,0 +1,134 @@
+"""`LLM`: offline batch generation, shaped like vLLM's `LLM` class."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from frontend.async_engine_client import Prompt
+from frontend.engine_client import EngineClient
+from frontend.request_output import RequestOutput
+from proto import SamplingParams
+from proto.engine_config import EngineConfig
+
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine for batches of prompts: `LLM(model=None, device="auto", **engine_args)`.
+
+    `engine_args` are `EngineConfig` fields, the same options `core-serve` takes as flags
+    (max_num_seqs, tensor_parallel_size, ...). model None serves the default SmolLM2 GGUF.
+
+    Contract: `generate` and `chat` return one finished `RequestOutput` per prompt, in input
+    order, whatever order the engine finishes them in. Use as a context manager or call
+    `shutdown()` to stop the engine processes.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "auto",
+        *,
+        address: str | None = None,
+        **engine_args: Any,
+    ) -> None:
+        config = EngineConfig(model=model, device=device, **engine_args)
+        self._client = EngineClient(config, address)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def get_tokenizer(self) -> Any:
+        return self._client.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for one prompt or a list (text or token ids); one output per prompt.
+
+        `sampling_params`: one for every prompt, or a list with one per prompt.
+        Raises ValueError (naming the prompt) before anything runs if a prompt is invalid.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        return self._client.run(self._generate_all(prompt_list, params_list, use_tqdm))
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates the assistant's reply to one conversation or a list of them.
+
+        Each conversation is a list of {"role", "content"} messages, rendered with the
+        model's chat template (with the generation prompt appended).
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        engine = self._client.engine
+        prompts = [engine.apply_chat_template(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def shutdown(self) -> None:
+        self._client.shutdown()
+
+    async def _generate_all(
+        self,
+        prompts: list[Prompt],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self._client.engine
+        streams = []
+        for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            try:
+                streams.append(engine.generate(prompt, params, stream=False))
+            except ValueError as exc:
+                raise ValueError(f"prompt {index}: {exc}") from exc
+        with tqdm(total=len(streams), desc="Processed prompts", disable=not use_tqdm) as bar:
+            return list(await asyncio.gather(*(_last(s, bar) for s in streams)))
+
+
+async def _last(stream: Any, bar: tqdm) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    assert final is not None and final.finished
+    bar.update(1)
+    return final
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt is a str or a list of ints; anything else is a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params_list = list(sampling_params)
+    if len(params_list) != num_prompts:
+        raise ValueError(
+            f"got {len(params_list)} SamplingParams for {num_prompts} prompts; "
+            "pass one for all or exactly one per prompt"
+        )
+    return params_list

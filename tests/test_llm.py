@@ -1,0 +1,140 @@
+"""LLM, EngineClient and AsyncEngineClient against a real engine core running the null model.
+
+The null worker samples token 42 ("*" in the byte tokenizer) every step, so expected texts
+are runs of "*".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from frontend import LLM, AsyncEngineClient, EngineClient, EngineDeadError, SamplingParams
+from frontend.null_tokenizer import NullTokenizer
+from proto.engine_config import EngineConfig
+
+NULL_TOKEN_TEXT = "*"
+TOKENIZER = NullTokenizer()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # Two sequences at a time, so requests finish in a different order than submitted.
+    with LLM(model="null", max_num_seqs=2, max_model_len=256) as llm:
+        yield llm
+
+
+def test_generate_returns_outputs_in_input_order(llm):
+    prompts = ["first", [7, 8, 9], "third prompt", "4"]
+    max_tokens = [9, 1, 5, 3]
+    params = [SamplingParams(max_tokens=n) for n in max_tokens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["first", None, "third prompt", "4"]
+    assert [o.prompt_token_ids for o in outputs] == [
+        TOKENIZER.encode("first"),
+        [7, 8, 9],
+        TOKENIZER.encode("third prompt"),
+        TOKENIZER.encode("4"),
+    ]
+    for output, n in zip(outputs, max_tokens, strict=True):
+        (completion,) = output.outputs
+        assert completion.text == NULL_TOKEN_TEXT * n
+        assert completion.token_ids == [42] * n
+        assert completion.finish_reason == "length"
+        assert output.finished and output.num_generated_tokens == n
+
+
+def test_generate_accepts_one_prompt_and_shows_progress(llm, capsys):
+    (output,) = llm.generate("hello", SamplingParams(max_tokens=2))
+    assert output.outputs[0].text == "**"
+    assert "Processed prompts" in capsys.readouterr().err
+    (output,) = llm.generate([1, 2, 3], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert output.prompt_token_ids == [1, 2, 3]
+
+
+def test_generate_rejects_bad_input_before_running_anything(llm):
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 1: .*max_tokens may be at most 254"):
+        llm.generate(["a", "bb"], SamplingParams(max_tokens=255), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 256\)"):
+        llm.generate([[1, 99999]], use_tqdm=False)
+    assert llm._client.get_stats().num_waiting_reqs == 0
+    assert llm._client.get_stats().num_running_reqs == 0
+
+
+def test_n_choices_and_stop_strings(llm):
+    (output,) = llm.generate(
+        "x", SamplingParams(n=3, seed=1, max_tokens=10, min_tokens=5, stop=["**"]), use_tqdm=False
+    )
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    for completion in output.outputs:
+        # Stop strings count only from min_tokens on; the match is cut from the text.
+        assert completion.text == "***"
+        assert len(completion.token_ids) == 5
+        assert completion.finish_reason == "stop"
+        assert completion.stop_reason == "**"
+    assert output.num_generated_tokens == 15
+    stats = llm._client.get_stats()
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_chat_uses_the_chat_template(llm):
+    conversation = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    (output,) = llm.chat(conversation, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert output.prompt_token_ids == TOKENIZER.encode("system: be brief\nuser: hi\nassistant: ")
+    assert output.outputs[0].text == "**"
+    outputs = llm.chat([conversation, conversation[1:]], use_tqdm=False)
+    assert [len(o.prompt_token_ids) for o in outputs] == [37, 20]
+
+
+def test_engine_client_streams_deltas_and_aborts_a_closed_stream():
+    with EngineClient(EngineConfig(model="null", max_model_len=4096)) as client:
+        deltas = list(client.generate("hi", SamplingParams(max_tokens=6)))
+        assert "".join(d.outputs[0].text for d in deltas) == "******"
+        assert [d.finished for d in deltas] == [False] * 5 + [True]
+
+        stream = client.generate("hi", SamplingParams(max_tokens=4000))
+        next(stream)
+        assert client.get_stats().num_running_reqs == 1
+        stream.close()
+        stats = wait_for_stats(client, lambda s: s.num_running_reqs == 0)
+        assert stats.kv_cache_usage == 0.0
+
+
+def wait_for_stats(client, condition, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.get_stats()
+        if condition(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def test_async_engine_client_abort_and_dead_engine():
+    async def scenario() -> None:
+        engine = AsyncEngineClient(EngineConfig(model="null", max_model_len=4096))
+        async with engine:
+            stream = engine.generate("hi", SamplingParams(max_tokens=4000), request_id="r1")
+            first = await stream.__anext__()
+            assert first.request_id == "r1" and first.outputs[0].text == "*"
+            with pytest.raises(ValueError, match="'r1' is already running"):
+                engine.generate("again", request_id="r1")
+            await engine.abort("r1")
+            rest = [output async for output in stream]
+            assert rest[-1].finished
+            assert rest[-1].outputs[0].finish_reason == "abort"
+            await engine.check_health()
+            stats = await engine.get_stats()
+            assert stats.num_running_reqs == 0
+        with pytest.raises(EngineDeadError):
+            engine.generate("after shutdown")
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+
+    asyncio.run(scenario())
