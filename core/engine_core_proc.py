@@ -16,6 +16,7 @@ import os
 import queue
 import signal
 import threading
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -69,12 +70,8 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[InputItem] = queue.Queue()
         self.output_queue: queue.Queue[msgspec.Struct | None] = queue.Queue()
         self.stop_event = threading.Event()
-        self.input_thread = threading.Thread(
-            target=self._input_loop, name="core-input", daemon=True
-        )
-        self.output_thread = threading.Thread(
-            target=self._output_loop, name="core-output", daemon=True
-        )
+        self.input_thread = _io_thread(self._input_loop, "core-input")
+        self.output_thread = _io_thread(self._output_loop, "core-output")
         self.executor: Executor | None = None
         self.engine_core: EngineCore | None = None
 
@@ -252,6 +249,20 @@ class EngineCoreProc:
             return
         self.output_socket.close(linger=OUTPUT_LINGER_MS)
         self.context.term()
+
+
+def _io_thread(loop: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread running `loop`; if `loop` crashes, the process shuts down (SIGTERM)
+    rather than serve on with a dead input or output path."""
+
+    def run() -> None:
+        try:
+            loop()
+        except Exception:
+            logger.exception("engine core thread %s crashed; shutting down", name)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 def _install_signal_handlers() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -388,11 +389,13 @@ def _free_port_pair() -> int:
     raise AssertionError("no two consecutive free ports")
 
 
-def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed():
+def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed(tmp_path):
     async def scenario():
         address = f"tcp://127.0.0.1:{_free_port_pair()}"
         argv = [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
-        core = subprocess.Popen([*argv, *("--max-num-seqs", "4", "--max-model-len", "100000")])
+        argv += ["--max-num-seqs", "4", "--max-model-len", "100000"]
+        # kill -9 leaves the core's worker socket directory behind: keep it in tmp_path.
+        core = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp_path)})
         worker_pids: list[int] = []
         client = AsyncCoreClient(EngineConfig(model="null"), address, launch_core=False)
         try:
@@ -415,3 +418,36 @@ def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed():
             core.wait()
 
     asyncio.run(scenario())
+
+
+FRONTEND_SCRIPT = """
+import asyncio
+from frontend.core_client import AsyncCoreClient
+from proto.engine_config import EngineConfig
+
+async def main():
+    client = AsyncCoreClient(EngineConfig(model="null"))
+    await client.start()
+    print(client.core_pid, client.address, flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def test_kill_9_of_the_frontend_makes_the_core_and_its_worker_exit():
+    frontend = subprocess.Popen([sys.executable, "-c", FRONTEND_SCRIPT], stdout=subprocess.PIPE)
+    core_pid, address = frontend.stdout.readline().decode().split()
+    core_pid = int(core_pid)
+    pids = [core_pid, *child_pids(core_pid)]
+    ipc_dir = Path(address.removeprefix("ipc://")).parent
+    try:
+        assert len(pids) == 2
+        frontend.kill()
+        frontend.wait()
+        asyncio.run(wait_until(lambda: not any(map(is_alive, pids)), 15, "core and worker exit"))
+        assert list(ipc_dir.glob("workers-*")) == []  # the core still cleaned up after itself
+    finally:
+        kill_all(pids)
+        frontend.stdout.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)  # the frontend's own, left by its kill -9
