@@ -102,14 +102,14 @@ class Executor:
 
     def initialize_cache(self, num_gpu_blocks: int) -> None:
         """Tells every rank to allocate `num_gpu_blocks` and waits for all KVCacheReady."""
-        self._broadcast(InitKVCache(num_gpu_blocks))
+        self._broadcast(InitKVCache(num_gpu_blocks), self.config.startup_timeout_s)
         self._collect(KVCacheReady, self.config.startup_timeout_s, "KV cache allocation")
 
     # ---- steps -----------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcasts one step and returns rank 0's sampled tokens."""
-        self._broadcast(scheduler_output)
+        self._broadcast(scheduler_output, self.config.step_timeout_s)
         return self._collect(ModelRunnerOutput, self.config.step_timeout_s, "a step", 1)[0]
 
     def check_alive(self) -> None:
@@ -127,17 +127,24 @@ class Executor:
             f"({describe_exit(worker.process.returncode)})"
         )
 
-    def _broadcast(self, message: msgspec.Struct) -> None:
+    def _broadcast(self, message: msgspec.Struct, timeout_s: float) -> None:
+        """Sends `message` to every rank; waits (bounded, watching liveness) for a rank whose
+        socket is not connected yet, e.g. right after its WorkerReady."""
         frames = self._encoder.encode(message)
+        deadline = time.monotonic() + timeout_s
         for worker in self.workers:
-            try:
-                # NOBLOCK: a PUSH to a worker that died would otherwise block forever.
-                worker.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            while True:
+                try:
+                    worker.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    pass  # A blocking send to a dead worker would never return.
                 self.check_alive()
-                raise WorkerFailedError(
-                    f"worker rank {worker.rank} is not accepting messages"
-                ) from None
+                if time.monotonic() > deadline:
+                    raise WorkerFailedError(
+                        f"worker rank {worker.rank} took no message for {timeout_s} s"
+                    )
+                worker.input_socket.poll(POLL_INTERVAL_S * 1000, zmq.POLLOUT)
 
     def _collect(
         self, expected: type, timeout_s: float, what: str, num_answers: int | None = None
