@@ -170,7 +170,8 @@ def choose_num_splits(
     """How many KV splits decode uses; 1 when the unsplit grid already fills the GPU."""
     if num_base_ctas >= policy.min_ctas_per_sm * num_sms:
         return 1
-    by_occupancy = ceil_div(policy.target_ctas_per_sm * num_sms, max(num_base_ctas, 1))
+    base = max(num_base_ctas, 1)
+    by_occupancy = max(2, (policy.target_ctas_per_sm * num_sms + base // 2) // base)  # nearest
     by_length = max_seq_len // policy.min_keys_per_split
     return max(1, min(by_occupancy, by_length, policy.max_splits))
 

@@ -1,0 +1,137 @@
+"""Grid, split and shared-memory decisions of the CUDA launchers (pure Python, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import launch_config as lc
+
+H100_SMS = 132
+
+
+def test_large_decode_batch_is_not_split():
+    launch = lc.decode_launch(64, 32, 8, 128, 4096, H100_SMS)
+    assert launch.num_splits == 1
+    assert not launch.needs_merge
+    assert launch.keys_per_split == lc.UNSPLIT_KEYS_PER_SPLIT
+    assert launch.grid == (8, 64, 1)
+    assert launch.block == (lc.DECODE_THREADS, 1, 1)
+
+
+def test_single_long_request_is_split_to_fill_the_gpu():
+    launch = lc.decode_launch(1, 32, 8, 128, 32768, H100_SMS)
+    assert launch.needs_merge
+    # 8 CTAs unsplit; aim at 4 CTAs per SM -> 528 / 8 = 66 splits, capped at 64.
+    assert launch.num_splits == 64
+    assert launch.keys_per_split == 512
+    assert launch.grid == (8, 1, 64)
+    assert launch.merge_grid == (32, 1, 1)
+    assert launch.num_splits * launch.keys_per_split >= 32768
+
+
+def test_split_count_is_limited_by_context_length():
+    launch = lc.decode_launch(1, 8, 8, 128, 1000, H100_SMS)
+    # at least 256 keys per split -> 3 splits; 334 keys rounded up to 384.
+    assert (launch.num_splits, launch.keys_per_split) == (3, 384)
+
+
+def test_short_contexts_are_not_split():
+    assert lc.decode_launch(1, 8, 1, 64, 300, H100_SMS).num_splits == 1
+    assert lc.decode_launch(1, 8, 1, 64, 0, H100_SMS).num_splits == 1
+
+
+def test_split_threshold_is_two_ctas_per_sm():
+    policy = lc.SplitPolicy()
+    just_enough = policy.min_ctas_per_sm * H100_SMS
+    assert lc.choose_num_splits(just_enough, 32768, H100_SMS, policy) == 1
+    assert lc.choose_num_splits(just_enough - 1, 32768, H100_SMS, policy) == 2
+
+
+@pytest.mark.parametrize("max_seq_len", [257, 511, 512, 513, 4095, 4096, 4097, 32768, 100_000])
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 64])
+def test_split_keys_cover_the_context_without_empty_splits(max_seq_len, num_splits):
+    splits, keys = lc.split_keys(max_seq_len, num_splits)
+    if splits == 1:
+        assert keys == lc.UNSPLIT_KEYS_PER_SPLIT
+        return
+    assert keys % lc.SplitPolicy().key_alignment == 0
+    assert splits <= num_splits
+    assert splits * keys >= max_seq_len
+    assert (splits - 1) * keys < max_seq_len  # the last split holds keys
+
+
+def test_head_chunking_keeps_groups_of_at_most_eight_in_one_cta():
+    assert lc.head_chunking(1) == (1, 1)
+    assert lc.head_chunking(3) == (3, 1)
+    assert lc.head_chunking(8) == (8, 1)
+    assert lc.head_chunking(12) == (6, 2)
+    assert lc.head_chunking(16) == (8, 2)
+    assert lc.head_chunking(17) == (6, 3)
+
+
+def test_decode_grid_counts_head_chunks():
+    launch = lc.decode_launch(5, 48, 4, 64, 100, H100_SMS)  # group 12 -> 2 chunks of 6
+    assert (launch.heads_per_cta, launch.num_head_chunks) == (6, 2)
+    assert launch.grid[:2] == (8, 5)
+
+
+def test_decode_shared_memory_matches_kernel_layout_and_stays_under_48kb():
+    assert lc.decode_shared_mem_bytes(4, 128) == 4 * 4 * 4 * (2 + 128)
+    worst = lc.decode_shared_mem_bytes(lc.DECODE_MAX_HEADS_PER_CTA, lc.MAX_HEAD_DIM)
+    assert worst <= lc.DEFAULT_SHARED_MEM_BYTES
+
+
+def test_prefill_tiles_hold_whole_gqa_groups():
+    for group in range(1, 65):
+        tokens = lc.prefill_tokens_per_tile(group)
+        assert tokens * group <= lc.PREFILL_ROWS
+        assert (tokens + 1) * group > lc.PREFILL_ROWS
+    with pytest.raises(ValueError, match="group size 65"):
+        lc.prefill_tokens_per_tile(65)
+
+
+def test_prefill_launch_grid():
+    launch = lc.prefill_launch(3, 9, 3, 64, 100)  # SmolLM2 heads: group 3 -> 21 tokens per tile
+    assert launch.tokens_per_tile == 21
+    assert launch.grid == (5, 3, 3)
+    assert launch.block == (lc.PREFILL_THREADS, 1, 1)
+
+
+def test_prefill_shared_memory():
+    assert lc.prefill_shared_mem_bytes(64) == 4 * (128 * 68 + 64 * 33)
+    assert lc.prefill_shared_mem_bytes(128) > lc.DEFAULT_SHARED_MEM_BYTES  # needs the opt-in
+    assert lc.prefill_shared_mem_bytes(256) <= 227 * 1024  # fits an H100 / H200
+
+
+def test_cache_write_launch():
+    launch = lc.cache_write_launch(7, 8 * 128 * 2)
+    assert launch.row_vecs == 128
+    assert launch.grid == (7, 1, 1)
+    assert launch.block == (128, 1, 1)
+    assert lc.cache_write_launch(1, 64 * 2).block == (32, 1, 1)
+    with pytest.raises(ValueError, match="24 bytes"):
+        lc.cache_write_launch(1, 24)
+
+
+@pytest.mark.parametrize("head_dim", [0, 4, 12, 264, 512])
+def test_unsupported_head_dims_are_rejected_with_the_limit(head_dim):
+    with pytest.raises(ValueError, match=f"head_dim={head_dim}.*256"):
+        lc.decode_launch(1, 4, 2, head_dim, 10, H100_SMS)
+
+
+def test_heads_must_form_whole_groups():
+    with pytest.raises(ValueError, match="num_heads=6.*num_kv_heads=4"):
+        lc.prefill_launch(1, 6, 4, 64, 10)
+
+
+def test_too_many_requests_for_one_grid_are_rejected():
+    with pytest.raises(ValueError, match="num_reqs=70000"):
+        lc.decode_launch(70_000, 4, 4, 64, 10, H100_SMS)
+
+
+def test_kernel_name_expressions():
+    assert lc.decode_kernel_name("bfloat16", 128, 4) == "decode_attention<bf16_t, 128, 4>"
+    assert lc.prefill_kernel_name("float16", 64) == "prefill_attention<half_t, 64>"
+    assert lc.merge_kernel_name("float32") == "merge_attention_states<float>"
+    with pytest.raises(ValueError, match="float64"):
+        lc.decode_kernel_name("float64", 64, 1)
