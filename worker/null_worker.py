@@ -70,17 +70,17 @@ class NullWorker:
             self.req_id_to_state[new_req.req_id] = NullRequestState(
                 len(new_req.prompt_token_ids), new_req.sampling_params.logprobs
             )
-        num_computed_tokens = {
+        req_id_to_num_computed = {
             r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
         }
         for cached_req in scheduler_output.scheduled_cached_reqs:
             self.req_id_to_state[cached_req.req_id].num_tokens += len(cached_req.new_token_ids)
-            num_computed_tokens[cached_req.req_id] = cached_req.num_computed_tokens
+            req_id_to_num_computed[cached_req.req_id] = cached_req.num_computed_tokens
 
         output = ModelRunnerOutput()
         any_logprobs = False
         logprobs: list[TokenLogprobs | None] = []
-        for req_id, num_computed in num_computed_tokens.items():
+        for req_id, num_computed in req_id_to_num_computed.items():
             state = self.req_id_to_state[req_id]
             done_prompt = (
                 num_computed + scheduler_output.num_scheduled_tokens[req_id] >= state.num_tokens
