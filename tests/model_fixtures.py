@@ -282,3 +282,86 @@ def scattered_block_ids(seq_lens: list[int], block_size: int) -> list[list[int]]
 def num_blocks_needed(block_ids_per_request: list[list[int]]) -> int:
     """Cache size (in blocks) that holds every listed block id."""
     return 1 + max(max(block_ids) for block_ids in block_ids_per_request)
+
+
+# HF module name -> llama.cpp tensor name, written out independently of worker.gguf_loader.
+_HF_TO_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_HF_TO_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def write_gguf_from_transformers_model(model: torch.nn.Module, path: Path, arch: str) -> Path:
+    """Writes `model` (a transformers Llama/Qwen2/Qwen3) as an F32 GGUF the way llama.cpp's
+    converter does, Q/K rows permuted for arch "llama"; returns `path`."""
+    import gguf
+    import numpy as np
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        weights = tensor.detach().float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            weights = _llama_cpp_permute(
+                weights, config.num_attention_heads, config.num_attention_heads
+            )
+        elif arch == "llama" and ".k_proj." in name:
+            weights = _llama_cpp_permute(
+                weights, config.num_attention_heads, config.num_key_value_heads
+            )
+        writer.add_tensor(_gguf_tensor_name(name), np.ascontiguousarray(weights, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_tensor_name(hf_name: str) -> str:
+    if hf_name in _HF_TO_GGUF_GLOBAL_NAMES:
+        return _HF_TO_GGUF_GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_HF_TO_GGUF_LAYER_NAMES[module]}.{suffix}"
+
+
+def _llama_cpp_permute(weights, num_heads: int, num_kv_heads: int):
+    """llama.cpp convert_hf_to_gguf.py's `LlamaModel.permute`."""
+    if num_kv_heads is not None and num_heads != num_kv_heads:
+        num_heads = num_kv_heads
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )

@@ -21,10 +21,16 @@ from tests.model_fixtures import (
     make_kv_caches,
     num_blocks_needed,
     scattered_block_ids,
+    write_gguf_from_transformers_model,
 )
 from worker.model_loader import load_model
 
 MAX_ABS_DIFF = 1e-3
+GGUF_ARCH_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 BLOCK_SIZE = 16
 PROMPTS = (
     "The capital of France is",
@@ -67,10 +73,23 @@ def gguf_model():
     return load_model(default_model_path(), torch.device("cpu"), torch.float32)
 
 
-@torch.inference_mode()
-def reference_logits(reference_model, token_ids: list[int]) -> torch.Tensor:
-    """transformers' logits [len, vocab] for one sequence, no cache."""
-    return reference_model(torch.tensor([token_ids])).logits[0].float()
+def reference_logits_of(reference_model):
+    """token ids -> transformers' logits [len, vocab] for that one sequence, memoized."""
+    cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def logits(token_ids: list[int]) -> torch.Tensor:
+        key = tuple(token_ids)
+        if key not in cache:
+            cache[key] = reference_model(torch.tensor([token_ids])).logits[0].float()
+        return cache[key]
+
+    return logits
+
+
+@pytest.fixture(scope="module")
+def default_reference(reference_model):
+    return reference_logits_of(reference_model)
 
 
 @torch.inference_mode()
@@ -88,23 +107,21 @@ def run_step(
     return [logits[start:end] for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def assert_batched_prefill_matches(model, config, reference_model, prompts: list[list[int]]):
+def assert_batched_prefill_matches(model, config, reference, prompts: list[list[int]]):
     block_ids = scattered_block_ids([len(p) for p in prompts], BLOCK_SIZE)
     kv_caches = make_kv_caches(config, num_blocks_needed(block_ids), BLOCK_SIZE)
     ours = run_step(model, kv_caches, prompts, [0] * len(prompts), block_ids)
     for prompt, logits in zip(prompts, ours, strict=True):
-        expected = reference_logits(reference_model, prompt)
+        expected = reference(prompt)
         assert logits.shape == expected.shape
         torch.testing.assert_close(logits, expected, atol=MAX_ABS_DIFF, rtol=0)
 
 
-def assert_chunked_prefill_and_decode_match(
-    model, config, reference_model, prompts: list[list[int]]
-):
+def assert_chunked_prefill_and_decode_match(model, config, reference, prompts: list[list[int]]):
     """Step 1: first half of prompt A + all of prompt B. Step 2: rest of A + one decode of B."""
     prompt_a, prompt_b = prompts[0], prompts[1]
     split = len(prompt_a) // 2 + 1
-    next_b = int(reference_logits(reference_model, prompt_b)[-1].argmax())
+    next_b = int(reference(prompt_b)[-1].argmax())
     sequence_b = [*prompt_b, next_b]
     block_ids = scattered_block_ids([len(prompt_a), len(sequence_b)], BLOCK_SIZE)
     kv_caches = make_kv_caches(config, num_blocks_needed(block_ids), BLOCK_SIZE)
@@ -112,8 +129,8 @@ def assert_chunked_prefill_and_decode_match(
     logits_a, logits_b = run_step(
         model, kv_caches, [prompt_a, sequence_b], [split, len(prompt_b)], block_ids
     )
-    expected_a = reference_logits(reference_model, prompt_a)
-    expected_b = reference_logits(reference_model, sequence_b)
+    expected_a = reference(prompt_a)
+    expected_b = reference(sequence_b)
     assert logits_a.shape[0] == len(prompt_a) - split
     torch.testing.assert_close(logits_a, expected_a[split:], atol=MAX_ABS_DIFF, rtol=0)
     assert logits_b.shape[0] == 1
@@ -121,28 +138,26 @@ def assert_chunked_prefill_and_decode_match(
 
 
 def test_default_gguf_batched_prefill_matches_transformers(
-    gguf_model, reference_model, prompt_token_ids
+    gguf_model, default_reference, prompt_token_ids
 ):
     model, config = gguf_model
     assert config.architecture == "LlamaForCausalLM"
     assert config.tie_word_embeddings
-    assert_batched_prefill_matches(model, config, reference_model, prompt_token_ids)
+    assert_batched_prefill_matches(model, config, default_reference, prompt_token_ids)
 
 
 def test_default_gguf_chunked_prefill_and_decode_match_transformers(
-    gguf_model, reference_model, prompt_token_ids
+    gguf_model, default_reference, prompt_token_ids
 ):
     model, config = gguf_model
-    assert_chunked_prefill_and_decode_match(model, config, reference_model, prompt_token_ids)
+    assert_chunked_prefill_and_decode_match(model, config, default_reference, prompt_token_ids)
 
 
-def test_default_model_from_converted_folder_matches_gguf_load(
-    gguf_model, reference_folder, prompt_token_ids
-):
-    """Our safetensors path on transformers' conversion gives our GGUF path's weights."""
+def test_default_model_from_converted_folder_matches_gguf_load(gguf_model, reference_folder):
+    """Our safetensors path on transformers' conversion gives our GGUF path's config and weights."""
     gguf_params = dict(gguf_model[0].named_parameters())
     folder_model, folder_config = load_model(reference_folder, torch.device("cpu"), torch.float32)
-    assert folder_config.eos_token_ids == gguf_model[1].eos_token_ids
+    assert folder_config == gguf_model[1]
     for name, param in folder_model.named_parameters():
         torch.testing.assert_close(param, gguf_params[name], atol=0, rtol=0, msg=name)
 
@@ -160,5 +175,33 @@ def test_tiny_variant_matches_transformers(variant_name, tmp_path):
         torch.randint(3, config.vocab_size, (length,), generator=generator).tolist()
         for length in (5, 19, 40)
     ]
-    assert_batched_prefill_matches(model, config, reference_model, prompts)
-    assert_chunked_prefill_and_decode_match(model, config, reference_model, prompts)
+    assert_batched_prefill_matches(model, config, reference_logits_of(reference_model), prompts)
+    assert_chunked_prefill_and_decode_match(
+        model, config, reference_logits_of(reference_model), prompts
+    )
+
+
+@pytest.mark.parametrize(
+    ("variant_name", "arch"),
+    [
+        ("llama_untied", "llama"),
+        ("mistral_8_heads", "llama"),
+        ("qwen2_bias", "qwen2"),
+        ("qwen3_qk_norm", "qwen3"),
+    ],
+)
+def test_tiny_variant_from_gguf_matches_transformers(variant_name, arch, tmp_path):
+    """A GGUF written like llama.cpp's converter (Q/K permuted for llama) loads exactly."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_model_folder(tmp_path / variant_name, variant_name)
+    reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gguf_path = write_gguf_from_transformers_model(reference_model, tmp_path / "model.gguf", arch)
+    model, config = load_model(gguf_path, torch.device("cpu"), torch.float32)
+    assert config.architecture == GGUF_ARCH_TO_ARCHITECTURE[arch]
+    assert config.tie_word_embeddings == reference_model.config.tie_word_embeddings
+    generator = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(3, config.vocab_size, (n,), generator=generator).tolist() for n in (7, 30)
+    ]
+    assert_batched_prefill_matches(model, config, reference_logits_of(reference_model), prompts)
