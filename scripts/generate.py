@@ -150,12 +150,14 @@ def generate_token_ids(
     enable_prefix_caching: bool = True,
     block_size: int = 16,
     seed: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
 ) -> GenerationOutput:
     """Runs token-id prompts as one workload. Pass a loaded `worker` to reuse its model (its
     KV cache is re-initialised, so earlier state is dropped); else one is built from `model`.
 
     The scheduler's limits may be smaller than the worker's (`max_num_seqs`,
-    `max_num_batched_tokens`, `max_model_len`), never larger.
+    `max_num_batched_tokens`, `max_model_len`), never larger. `eos_token_ids` default to the
+    model's; any of them stops a request unless `ignore_eos`.
     """
     sampling_params = sampling_params or SamplingParams(temperature=0.0, max_tokens=32)
     if worker is None:
@@ -178,9 +180,9 @@ def generate_token_ids(
         enable_prefix_caching,
     )
     worker.initialize_cache(config.num_gpu_blocks)
-    requests = make_requests(
-        prompt_token_ids, sampling_params, worker.eos_token_ids, worker.block_size
-    )
+    if eos_token_ids is None:
+        eos_token_ids = worker.eos_token_ids
+    requests = make_requests(prompt_token_ids, sampling_params, eos_token_ids, worker.block_size)
     return run_requests(Scheduler(config), worker, requests)
 
 
@@ -242,6 +244,7 @@ def generate(
     if tokenizer is None:
         tokenizer = load_tokenizer(resolve_model_path(model))
     prompt_token_ids = [tokenizer.encode(prompt) for prompt in prompts]
+    kwargs.setdefault("eos_token_ids", tokenizer.eos_token_ids)
     output = generate_token_ids(prompt_token_ids, worker=worker, model=model, **kwargs)
     for result in output.results:
         result.text = tokenizer.decode(result.token_ids)

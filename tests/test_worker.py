@@ -1,14 +1,21 @@
 """Worker: argument errors, max_model_len, KV sizing and the full lifecycle on a tiny model."""
 
+import json
 from dataclasses import dataclass
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import worker.model_loader
+from frontend.tokenizer import load_tokenizer
 from proto import SamplingParams
-from scripts.generate import generate_token_ids
+from scripts.generate import generate_token_ids, main
+from tests.model_fixtures import build_tiny_model_folder
+from tests.test_generation_parity import hf_greedy
 from tests.tiny_causal_lm import TinyCausalLM
+from worker import memory_profiler
+from worker.memory_profiler import GiB
 from worker.worker import Worker, resolve_device, resolve_dtype
 
 CPU = torch.device("cpu")
@@ -103,3 +110,60 @@ def test_lifecycle_sizes_cache_and_generates(tiny_loader, tmp_path):
     )
     model = TinyCausalLM()
     assert [r.token_ids for r in output.results] == [model.dense_greedy(p, 6) for p in prompts]
+
+
+def test_cpu_kv_budget_is_capped_and_overridable(monkeypatch):
+    monkeypatch.setattr(memory_profiler, "read_mem_available_bytes", lambda: 20 * GiB)
+    assert memory_profiler.cpu_kv_cache_bytes() == 4 * GiB
+    monkeypatch.setattr(memory_profiler, "read_mem_available_bytes", lambda: 5 * GiB)
+    assert memory_profiler.cpu_kv_cache_bytes() == 2 * GiB
+    assert memory_profiler.cpu_kv_cache_bytes(override_bytes=123) == 123
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be positive, got 0"):
+        memory_profiler.cpu_kv_cache_bytes(override_bytes=0)
+    assert memory_profiler.read_mem_available_bytes() > 0
+
+
+class FakeCudaMemory:
+    """torch.cuda memory counters of a 100 GiB device with 12 GiB reserved by torch and 2 GiB
+    held outside it; the workload peaks at 10 GiB allocated."""
+
+    def __init__(self, monkeypatch, peak_gib: float = 10):
+        self.ran = False
+        for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+            monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: int(peak_gib * GiB))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 * GiB)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (86 * GiB, 100 * GiB))
+
+    def workload(self):
+        self.ran = True
+
+
+def test_cuda_kv_budget_subtracts_peak_and_non_torch_memory(monkeypatch):
+    fake = FakeCudaMemory(monkeypatch)
+    budget = memory_profiler.cuda_kv_cache_bytes(torch.device("cuda", 0), 0.9, fake.workload)
+    assert fake.ran
+    assert budget == int(100 * GiB * 0.9) - 10 * GiB - 2 * GiB
+
+
+def test_cuda_kv_budget_exhausted_is_a_clear_error(monkeypatch):
+    fake = FakeCudaMemory(monkeypatch, peak_gib=30)
+    with pytest.raises(RuntimeError, match="no memory left for the KV cache .* raise gpu_memory"):
+        memory_profiler.cuda_kv_cache_bytes(torch.device("cuda", 0), 0.3, fake.workload)
+
+
+def test_cli_prints_one_json_line_per_prompt_in_order(tmp_path, capsys):
+    folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
+    prompts = ["hello there, how are you?", "a", "The quick brown fox"]
+    argv = ["--model", str(folder), "--device", "cpu", "--max-tokens", "6", "--ignore-eos"]
+    argv += ["--num-gpu-blocks-override", "64", "--max-num-batched-tokens", "8", *prompts]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == prompts
+    assert all(line["finish_reason"] == "length" for line in lines)
+
+    tokenizer = load_tokenizer(folder)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    for prompt, line in zip(prompts, lines, strict=True):
+        assert line["token_ids"] == hf_greedy(hf_model, tokenizer.encode(prompt), 6)
+        assert line["text"] == tokenizer.decode(line["token_ids"])
