@@ -45,12 +45,17 @@ def tensor_parallel_all_gather(x: torch.Tensor, tp_size: int) -> torch.Tensor:
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """Copies a replicated weight; the shapes must match exactly."""
-    if tuple(param.shape) != tuple(loaded_weight.shape):
+    check_shape(loaded_weight, tuple(param.shape))
+    param.data.copy_(loaded_weight)
+
+
+def check_shape(loaded_weight: torch.Tensor, expected_shape: tuple[int, ...]) -> None:
+    """ValueError naming both shapes unless the FULL checkpoint tensor has `expected_shape`."""
+    if tuple(loaded_weight.shape) != tuple(expected_shape):
         raise ValueError(
             f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit a parameter "
-            f"of shape {tuple(param.shape)}"
+            f"of full shape {tuple(expected_shape)}"
         )
-    param.data.copy_(loaded_weight)
 
 
 def _new_parameter(*shape: int, weight_loader) -> nn.Parameter:
@@ -163,6 +168,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[0]
+        check_shape(loaded_weight, (size * self.tp_size, *param.shape[1:]))
         default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,6 +198,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         size = divide(self.output_sizes[shard_id], self.tp_size, "output_size")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[1:]))
         shard = param.data.narrow(0, offset, size)
         default_weight_loader(shard, loaded_weight.narrow(0, self.tp_rank * size, size))
 
@@ -214,6 +221,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size: int = 1,
     ) -> None:
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
         if tp_size >= num_kv_heads:
             if tp_size % num_kv_heads != 0:
@@ -249,6 +257,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, start = self.kv_size, self.kv_head_offset * self.head_dim
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        check_shape(loaded_weight, (total_heads * self.head_dim, *param.shape[1:]))
         default_weight_loader(
             param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size)
         )
@@ -277,6 +287,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[1]
+        check_shape(loaded_weight, (param.shape[0], size * self.tp_size))
         default_weight_loader(param, loaded_weight.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
