@@ -1,0 +1,548 @@
+"""OpenAI-compatible HTTP server: FastAPI routes on one `AsyncEngineClient`.
+
+Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events ending in
+`data: [DONE]` with `stream: true`), GET /v1/models, /health and /metrics (Prometheus text).
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
+parameters, 401 for a bad API key, 404 for an unknown model, 503 once the engine is dead.
+A streaming client that disconnects has its requests aborted, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError, Prompt
+from frontend.core_client import EngineDeadError
+from frontend.openai_protocol import (
+    AssistantMessage,
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from frontend.request_output import CompletionOutput, RequestOutput
+from proto import SamplingParams, TokenLogprobs
+from proto.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+
+
+@dataclass(slots=True, frozen=True)
+class ServerSettings:
+    """How the server presents the engine. `log_stats_interval_s` None disables the stats log."""
+
+    served_model_name: str
+    api_key: str | None = None
+    log_stats_interval_s: float | None = 10.0
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body and `status_code`."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type_, param=param, code=code)
+
+
+def engine_dead_error(exc: EngineDeadError) -> APIError:
+    return APIError(503, f"the engine is dead: {exc}", "service_unavailable", code="engine_dead")
+
+
+def build_app(
+    engine_config: EngineConfig, settings: ServerSettings, address: str | None = None
+) -> FastAPI:
+    """The app; its lifespan starts the engine (or connects to `address`) and shuts it down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = AsyncEngineClient(engine_config, address)
+        try:
+            await engine.start()
+        except BaseException:
+            await engine.shutdown()
+            raise
+        app.state.engine = engine
+        logger.info(
+            "serving %s (max_model_len=%d)", settings.served_model_name, engine.max_model_len
+        )
+        stats_task = None
+        if settings.log_stats_interval_s is not None:
+            stats_task = asyncio.create_task(_log_stats(engine, settings.log_stats_interval_s))
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+            await engine.shutdown()
+
+    app = FastAPI(title="core-engine OpenAI-compatible server", lifespan=lifespan)
+    app.state.settings = settings
+    _add_error_handlers(app)
+    _add_routes(app, settings)
+    return app
+
+
+def serve(
+    engine_config: EngineConfig,
+    settings: ServerSettings,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    address: str | None = None,
+) -> None:
+    """Runs the server until SIGINT/SIGTERM, then drains for a few seconds and stops the engine."""
+    app = build_app(engine_config, settings, address)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    )
+
+
+async def _log_stats(engine: AsyncEngineClient, interval_s: float) -> None:
+    """Logs throughput, queues, KV usage and prefix hit rate every `interval_s`."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            stats = await engine.get_stats()
+        except EngineDeadError as exc:
+            logger.error("engine core is dead: %s", exc)
+            return
+        logger.info(engine.metrics.log_line(stats, time.monotonic()))
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_json(exc)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error_json(engine_dead_error(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_json(_validation_error(exc.errors()))
+
+
+def _add_routes(app: FastAPI, settings: ServerSettings) -> None:
+    check_api_key = _api_key_checker(settings.api_key)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        await _engine(request).check_health()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        engine = _engine(request)
+        stats = await engine.get_stats()
+        text = engine.metrics.render_prometheus(stats, settings.served_model_name)
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models(request: Request) -> ModelList:
+        card = ModelCard(
+            id=settings.served_model_name, max_model_len=_engine(request).max_model_len
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)], response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response | BaseModel:
+        _check_model(body.model, settings)
+        return await _create_completion(_engine(request), body, settings.served_model_name)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)], response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request
+    ) -> Response | BaseModel:
+        _check_model(body.model, settings)
+        return await _create_chat_completion(_engine(request), body, settings.served_model_name)
+
+
+async def _create_completion(
+    engine: AsyncEngineClient, body: CompletionRequest, model_name: str
+) -> Response | BaseModel:
+    params = _sampling_params(body)
+    request_id = random_id("cmpl")
+    streams = [
+        _submit(engine, prompt, params, f"{request_id}-{index}", body.stream, "prompt")
+        for index, prompt in enumerate(body.prompts())
+    ]
+    if body.stream:
+        events = _completion_events(engine, body, streams, request_id, model_name)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await _final_outputs(streams)
+    choices = []
+    for prompt_index, final in enumerate(finals):
+        echo = _prompt_text(engine, final) if body.echo else ""
+        for completion in final.outputs:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _completion_logprobs(engine, completion, len(echo))
+            choices.append(
+                CompletionChoice(
+                    index=prompt_index * body.n + completion.index,
+                    text=echo + completion.text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
+    return CompletionResponse(
+        id=request_id, model=model_name, choices=choices, usage=_usage(finals)
+    )
+
+
+async def _completion_events(
+    engine: AsyncEngineClient,
+    body: CompletionRequest,
+    streams: list[AsyncIterator[RequestOutput]],
+    request_id: str,
+    model_name: str,
+) -> AsyncIterator[str]:
+    """SSE chunks, one per request update; usage last if asked; then [DONE]."""
+    finals: dict[int, RequestOutput] = {}
+    choice_to_offset: dict[int, int] = {}  # text offset of the next token, for logprobs
+    try:
+        async for prompt_index, output in _merge(streams):
+            choices = []
+            for completion in output.outputs:
+                index = prompt_index * body.n + completion.index
+                text = completion.text
+                if body.echo and index not in choice_to_offset:
+                    text = _prompt_text(engine, output) + text
+                offset = choice_to_offset.get(index, len(text) - len(completion.text))
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = _completion_logprobs(engine, completion, offset)
+                choice_to_offset[index] = offset + len(completion.text)
+                choices.append(
+                    CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+            if output.finished:
+                finals[prompt_index] = output
+            yield _sse(CompletionResponse(id=request_id, model=model_name, choices=choices))
+        if body.include_usage_in_stream:
+            usage = _usage(list(finals.values()))
+            yield _sse(CompletionResponse(id=request_id, model=model_name, choices=[], usage=usage))
+    except (EngineDeadError, APIError) as exc:
+        yield _sse_error(exc)
+    yield SSE_DONE
+
+
+async def _create_chat_completion(
+    engine: AsyncEngineClient, body: ChatCompletionRequest, model_name: str
+) -> Response | BaseModel:
+    params = _sampling_params(body)
+    try:
+        prompt_token_ids = engine.apply_chat_template(
+            body.conversation(), add_generation_prompt=body.add_generation_prompt
+        )
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the user's
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    request_id = random_id("chatcmpl")
+    stream = _submit(engine, prompt_token_ids, params, request_id, body.stream, "messages")
+    if body.stream:
+        events = _chat_events(engine, body, stream, request_id, model_name)
+        return StreamingResponse(events, media_type="text/event-stream")
+    (final,) = await _final_outputs([stream])
+    choices = [
+        ChatCompletionChoice(
+            index=completion.index,
+            message=AssistantMessage(content=completion.text),
+            logprobs=_chat_logprobs(engine, completion) if body.logprobs else None,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        for completion in final.outputs
+    ]
+    return ChatCompletionResponse(
+        id=request_id, model=model_name, choices=choices, usage=_usage([final])
+    )
+
+
+async def _chat_events(
+    engine: AsyncEngineClient,
+    body: ChatCompletionRequest,
+    stream: AsyncIterator[RequestOutput],
+    request_id: str,
+    model_name: str,
+) -> AsyncIterator[str]:
+    """SSE chunks: the assistant role for every choice, then content deltas; usage; [DONE]."""
+
+    def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        response = ChatCompletionStreamResponse(
+            id=request_id, model=model_name, choices=choices, usage=usage
+        )
+        return _sse(response)
+
+    final = None
+    try:
+        yield chunk(
+            [
+                ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content="")
+                )
+                for i in range(body.n)
+            ]
+        )
+        async for _, output in _merge([stream]):
+            choices = [
+                ChatCompletionStreamChoice(
+                    index=completion.index,
+                    delta=DeltaMessage(content=completion.text),
+                    logprobs=_chat_logprobs(engine, completion) if body.logprobs else None,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+                for completion in output.outputs
+            ]
+            final = output
+            yield chunk(choices)
+        if body.include_usage_in_stream and final is not None:
+            yield chunk([], _usage([final]))
+    except (EngineDeadError, APIError) as exc:
+        yield _sse_error(exc)
+    yield SSE_DONE
+
+
+def _submit(
+    engine: AsyncEngineClient,
+    prompt: Prompt,
+    params: SamplingParams,
+    request_id: str,
+    stream: bool,
+    prompt_param: str,
+) -> AsyncIterator[RequestOutput]:
+    """Validates and registers one request; maps its refusals to 400 and a dead engine to 503."""
+    try:
+        return engine.generate(prompt, params, request_id, stream=stream)
+    except EngineDeadError as exc:
+        raise engine_dead_error(exc) from exc
+    except InvalidPromptError as exc:
+        param = prompt_param if exc.param == "prompt" else exc.param
+        raise APIError(400, str(exc), param=param) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+async def _merge(
+    streams: Sequence[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several request streams as (stream index, output), as outputs arrive.
+
+    Closing (or cancelling) the merged iterator cancels every stream, which aborts their
+    unfinished requests in the engine.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            index, item = await queue.get()
+            if item is None:
+                num_running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The final output of each non-streamed request, in order; 500 if the engine failed one."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for index, output in _merge(streams):
+        finals[index] = output
+    for final in finals:
+        assert final is not None and final.finished
+        if final.error is not None:
+            raise APIError(500, final.error, "internal_error")
+    return finals  # type: ignore[return-value]
+
+
+def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    try:
+        return body.to_sampling_params()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=_param_named_in(str(exc), body)) from exc
+
+
+def _param_named_in(message: str, body: BaseModel) -> str | None:
+    """The request field a `SamplingParams` error starts with ("min_tokens (5) must ...")."""
+    first_word = message.split(" ", 1)[0]
+    return first_word if first_word in type(body).model_fields else None
+
+
+def _check_model(model: str | None, settings: ServerSettings) -> None:
+    if model is not None and model != settings.served_model_name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves "
+            f"`{settings.served_model_name}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _api_key_checker(api_key: str | None) -> Any:
+    expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def check_api_key(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            raise APIError(
+                401,
+                "Incorrect or missing API key (send `Authorization: Bearer <key>`)",
+                code="invalid_api_key",
+            )
+
+    return check_api_key
+
+
+def _engine(request: Request) -> AsyncEngineClient:
+    return request.app.state.engine
+
+
+def _usage(finals: list[RequestOutput]) -> UsageInfo:
+    return UsageInfo.of(
+        prompt_tokens=sum(final.num_prompt_tokens for final in finals),
+        completion_tokens=sum(final.num_generated_tokens for final in finals),
+    )
+
+
+def _prompt_text(engine: AsyncEngineClient, output: RequestOutput) -> str:
+    if output.prompt is not None:
+        return output.prompt
+    return engine.tokenizer.decode(output.prompt_token_ids)
+
+
+def _token_text(engine: AsyncEngineClient, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(
+    engine: AsyncEngineClient, completion: CompletionOutput, text_offset: int
+) -> CompletionLogprobs:
+    """Legacy completions logprobs; `text_offset` is where the first token's text starts."""
+    result = CompletionLogprobs()
+    for token_id, logprobs in zip(completion.token_ids, completion.logprobs or [], strict=False):
+        token = _token_text(engine, token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(logprobs.sampled_logprob)
+        result.top_logprobs.append({_token_text(engine, t): lp for t, lp in _top(logprobs)})
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+def _chat_logprobs(engine: AsyncEngineClient, completion: CompletionOutput) -> ChatChoiceLogprobs:
+    content = []
+    for token_id, logprobs in zip(completion.token_ids, completion.logprobs or [], strict=False):
+        token = _token_text(engine, token_id)
+        top = [
+            TopLogprob(
+                token=(text := _token_text(engine, t)), logprob=lp, bytes=list(text.encode())
+            )
+            for t, lp in _top(logprobs)
+        ]
+        content.append(
+            ChatTokenLogprob(
+                token=token,
+                logprob=logprobs.sampled_logprob,
+                bytes=list(token.encode()),
+                top_logprobs=top,
+            )
+        )
+    return ChatChoiceLogprobs(content=content)
+
+
+def _top(logprobs: TokenLogprobs) -> list[tuple[int, float]]:
+    return list(zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True))
+
+
+def _validation_error(errors: Sequence[Any]) -> APIError:
+    """400 naming the first invalid field, e.g. `max_tokens: Input should be >= 1`."""
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    names = [part for part in first.get("loc", ()) if isinstance(part, str) and part != "body"]
+    param = names[0] if names else None
+    where = ".".join(location)
+    message = first.get("msg", "invalid request")
+    return APIError(400, f"{where}: {message}" if where else message, param=param)
+
+
+def _error_json(exc: APIError) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=exc.info).model_dump(), status_code=exc.status_code)
+
+
+def _sse(response: BaseModel) -> str:
+    return f"data: {response.model_dump_json()}\n\n"
+
+
+def _sse_error(exc: Exception) -> str:
+    error = engine_dead_error(exc) if isinstance(exc, EngineDeadError) else exc
+    assert isinstance(error, APIError)
+    return _sse(ErrorResponse(error=error.info))

@@ -1,0 +1,86 @@
+"""`core-serve`: the OpenAI-compatible server on the command line (flags named as in vLLM).
+
+core-serve                                  # the default SmolLM2-135M-Instruct GGUF
+core-serve --model null --port 8001         # the model-free null worker
+core-serve --model /models/Qwen2-0.5B --max-num-seqs 64 --api-key secret
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from frontend.api_server import ServerSettings, serve
+from proto.engine_config import EngineConfig
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PORT = 8000
+LOG_STATS_INTERVAL_S = 10.0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="core-serve",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
+    EngineConfig.add_cli_arguments(parser)  # --model, --device, --max-num-seqs, ...
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
+    parser.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: --model, or SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--frontend-address",
+        default=None,
+        help="ipc:// or tcp:// address to wait on for an engine core started separately "
+        "(`python -m core --frontend-address ADDR`); default: start the core here",
+    )
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help=f"do not log throughput and cache stats every {LOG_STATS_INTERVAL_S:.0f} s",
+    )
+    return parser
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+) -> tuple[EngineConfig, ServerSettings, argparse.Namespace]:
+    """Engine config and server settings from the command line; exits with usage on errors."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in [1, 65535], got {args.port}")
+    try:
+        engine_config = EngineConfig.from_cli_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    settings = ServerSettings(
+        served_model_name=args.served_model_name
+        or engine_config.model
+        or DEFAULT_SERVED_MODEL_NAME,
+        api_key=args.api_key,
+        log_stats_interval_s=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
+    )
+    return engine_config, settings, args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    engine_config, settings, args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    serve(engine_config, settings, args.host, args.port, args.frontend_address)
+
+
+if __name__ == "__main__":
+    main()

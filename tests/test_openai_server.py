@@ -1,0 +1,471 @@
+"""core-serve end to end: a real server process, the official `openai` client and raw HTTP.
+
+Most tests share one server on the null model (token 42, "*" in the byte tokenizer, every
+step). Tests that kill or stop a server start their own; one compares the default SmolLM2
+model's greedy output over HTTP with the in-process engine loop (scripts.generate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from frontend.null_tokenizer import NullTokenizer
+from proto import SamplingParams
+
+API_KEY = "test-key"
+MODEL_NAME = "null-model"
+NULL_MAX_MODEL_LEN = 65536
+STARTUP_TIMEOUT_S = 120.0
+TOKENIZER = NullTokenizer()
+
+
+class ServerProcess:
+    """A `python -m frontend.cli` child on a free port, its output in `log_path`."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "frontend.cli", "--host", "127.0.0.1", "--port", str(self.port)]
+            + args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"core-serve exited early:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"core-serve not ready in {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL if it outlives 30 s; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def descendant_pids(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc parent links."""
+    children: dict[int, list[int]] = {}
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = stat_path.read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(stat_path.parent.name))
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(child)
+            stack.append(child)
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    match = re.search(rf"^core_{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    assert match is not None, f"metric core_{name} missing from /metrics"
+    return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[ServerProcess]:
+    log_path = tmp_path_factory.mktemp("server") / "core-serve.log"
+    server = ServerProcess(
+        [
+            "--model", "null",
+            "--served-model-name", MODEL_NAME,
+            "--api-key", API_KEY,
+            "--max-model-len", str(NULL_MAX_MODEL_LEN),
+            "--max-num-seqs", "64",
+            "--num-gpu-blocks-override", "8192",
+        ],
+        log_path,
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server: ServerProcess, path: str, body: dict, key: str = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30)
+
+
+def test_completion(client):
+    response = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=7)
+    (choice,) = response.choices
+    assert choice.text == "*" * 7
+    assert choice.finish_reason == "length"
+    assert response.model == MODEL_NAME
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (5, 7)
+    assert response.usage.total_tokens == 12
+
+
+def test_chat_completion(client):
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    )
+    (choice,) = response.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == "*****"
+    assert choice.finish_reason == "length"
+    prompt = TOKENIZER.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert response.usage.prompt_tokens == len(TOKENIZER.encode(prompt))
+    assert response.usage.completion_tokens == 5
+
+
+def test_streamed_completion(client):
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="Hello",
+            max_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    content_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in content_chunks) == "*" * 9
+    assert [c.choices[0].finish_reason for c in content_chunks] == [None] * 8 + ["length"]
+    assert usage_chunk.choices == []
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (5, 9)
+
+
+def test_streamed_chat_completion(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            stream=True,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "****"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stream_is_server_sent_events_ending_in_done(server):
+    for path, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        response = post(server, path, {**body, "max_tokens": 2, "stream": True})
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = response.text.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        assert all(event.startswith("data: ") for event in events[:-1])
+        for event in events[:-2]:
+            json.loads(event.removeprefix("data: "))
+
+
+def test_n_choices_batched_prompts_echo_and_stop(client):
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=["ab", "cde"], n=2, max_tokens=3, seed=5
+    )
+    assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+    assert all(c.text == "***" for c in response.choices)
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (5, 12)
+
+    echoed = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, echo=True)
+    assert echoed.choices[0].text == "Hi**"
+
+    stopped = client.completions.create(
+        model=MODEL_NAME, prompt="x", max_tokens=50, stop=["**"], extra_body={"min_tokens": 4}
+    )
+    assert stopped.choices[0].text == "**"
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 4
+
+
+def test_vllm_sampling_fields_and_logprobs(client):
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt="x",
+        max_tokens=3,
+        logprobs=2,
+        extra_body={"top_k": 5, "min_p": 0.1, "ignore_eos": True, "stop_token_ids": [7]},
+    )
+    logprobs = response.choices[0].logprobs
+    assert logprobs.tokens == ["*"] * 3
+    assert logprobs.text_offset == [0, 1, 2]
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert [entry.token for entry in content] == ["*", "*"]
+    assert all(len(entry.top_logprobs) == 3 for entry in content)
+
+
+def test_64_concurrent_streams_complete_and_free_the_kv_cache(server):
+    max_tokens = [1 + (i * 7) % 60 for i in range(64)]
+    num_generated_before = metric(server.base_url, "generation_tokens_total")
+
+    async def one_stream(client: openai.AsyncOpenAI, n: int) -> tuple[str, int, str | None]:
+        text, finish_reason, usage = "", None, None
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"request with {n} tokens",
+            max_tokens=n,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                text += choice.text
+                finish_reason = choice.finish_reason or finish_reason
+        return text, usage, finish_reason
+
+    async def all_streams() -> list[tuple[str, int, str | None]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0
+        ) as client:
+            return await asyncio.gather(*(one_stream(client, n) for n in max_tokens))
+
+    results = asyncio.run(all_streams())
+    assert results == [("*" * n, n, "length") for n in max_tokens]
+    assert metric(server.base_url, "generation_tokens_total") - num_generated_before == sum(
+        max_tokens
+    )
+    assert metric(server.base_url, "num_requests_running") == 0
+    assert metric(server.base_url, "num_requests_waiting") == 0
+    assert metric(server.base_url, "kv_cache_usage_perc") == 0.0
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(server):
+    # 60000 null tokens take many seconds: only an abort can free the blocks in time.
+    body = {"model": MODEL_NAME, "prompt": "long", "max_tokens": 60000, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers) as r,
+    ):
+        lines = r.iter_lines()
+        received = [line for line, _ in zip(lines, range(20), strict=False) if line]
+        assert all(line.startswith("data: ") for line in received)
+        assert metric(server.base_url, "num_requests_running") == 1
+        assert metric(server.base_url, "kv_cache_usage_perc") > 0
+    assert wait_until(lambda: metric(server.base_url, "num_requests_running") == 0, 10.0)
+    assert metric(server.base_url, "kv_cache_usage_perc") == 0.0
+
+
+def test_invalid_parameters_answer_400_naming_the_parameter(server):
+    response = post(server, "/v1/completions", {"prompt": "abc", "max_tokens": NULL_MAX_MODEL_LEN})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "max_tokens"
+    assert str(NULL_MAX_MODEL_LEN) in error["message"]
+    assert f"at most {NULL_MAX_MODEL_LEN - 3}" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+    for body, param in (
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+        ({"prompt": [1, 2, 10**6]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ):
+        response = post(server, "/v1/completions", body)
+        assert response.status_code == 400, body
+        assert response.json()["error"]["param"] == param, response.json()
+    response = post(server, "/v1/chat/completions", {"messages": [], "max_tokens": 1})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages"
+
+
+def test_bad_api_key_answers_401_and_unknown_model_404(server, client):
+    with pytest.raises(openai.AuthenticationError) as auth_error:
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong").models.list()
+    assert auth_error.value.status_code == 401
+    assert auth_error.value.body["code"] == "invalid_api_key"
+    response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 401
+
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert not_found.value.body == {
+        "message": f"The model `no-such-model` does not exist; this server serves `{MODEL_NAME}`",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+
+def test_models_health_and_metrics(server, client):
+    (card,) = client.models.list().data
+    assert card.id == MODEL_NAME
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    client.completions.create(model=MODEL_NAME, prompt="warm up the histograms", max_tokens=3)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+    ):
+        assert re.search(rf"^core_{name}\{{model_name=\"{MODEL_NAME}\"\}} ", text, re.M), name
+    assert metric(server.base_url, "time_to_first_token_seconds_count") >= 1
+    assert metric(server.base_url, "inter_token_latency_seconds_count") >= 2
+    assert metric(server.base_url, "prefix_cache_queries_total") > 0
+    assert "# TYPE core_time_to_first_token_seconds histogram" in text
+
+
+def test_health_answers_503_after_the_core_is_killed(tmp_path):
+    server = ServerProcess(["--model", "null", "--disable-log-stats"], tmp_path / "log")
+    try:
+        server.wait_ready()
+        core_pids = {
+            pid
+            for pid in descendant_pids(server.process.pid)
+            if b"core" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        }
+        assert len(core_pids) == 1, server.log_tail()
+        os.kill(core_pids.pop(), signal.SIGKILL)
+        assert wait_until(
+            lambda: httpx.get(f"{server.base_url}/health").status_code == 503, 10.0
+        ), server.log_tail()
+        error = httpx.get(f"{server.base_url}/health").json()["error"]
+        assert error["code"] == "engine_dead"
+        assert "SIGKILL" in error["message"]
+        response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503
+    finally:
+        server.stop()
+
+
+def test_sigterm_exits_cleanly_without_leftovers(tmp_path):
+    # A short TMPDIR of our own: ipc socket paths must stay under 107 characters.
+    with tempfile.TemporaryDirectory(prefix="serve-", dir="/tmp") as ipc_parent_name:
+        ipc_parent = Path(ipc_parent_name)
+        server = ServerProcess(
+            ["--model", "null", "--disable-log-stats"],
+            tmp_path / "log",
+            env={"TMPDIR": str(ipc_parent)},
+        )
+        try:
+            server.wait_ready()
+            response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200
+            children = descendant_pids(server.process.pid)
+            assert len(children) >= 2, "expected the engine core and its worker"
+            assert len(list(ipc_parent.iterdir())) == 1, "expected the private ipc directory"
+        finally:
+            exit_code = server.stop()
+        # uvicorn finishes its graceful shutdown, then re-raises the signal it caught.
+        assert exit_code == -signal.SIGTERM, server.log_tail()
+        assert "Application shutdown complete" in server.log_tail()
+        assert wait_until(lambda: not any(is_alive(pid) for pid in children), 10.0)
+        assert list(ipc_parent.iterdir()) == []
+    assert "Traceback" not in server.log_tail(100_000)
+
+
+@pytest.mark.slow
+def test_greedy_output_equals_the_in_process_engine(tmp_path):
+    from scripts.generate import generate
+
+    prompts = ["The capital of France is", "Write a haiku about the sea:"]
+    max_tokens = 8
+    reference = generate(
+        prompts,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        max_model_len=512,
+    )
+    server = ServerProcess(["--max-model-len", "512", "--disable-log-stats"], tmp_path / "log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        for prompt, expected in zip(prompts, reference.results, strict=True):
+            response = client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=max_tokens, temperature=0
+            )
+            assert response.choices[0].text == expected.text
+            assert response.usage.completion_tokens == len(expected.token_ids)
+    finally:
+        server.stop()
