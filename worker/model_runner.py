@@ -99,39 +99,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> None:
-        """A forward of `num_tokens` prompt tokens plus sampling of `max_num_reqs` rows, writing
-        into the scratch `kv_caches` (which must hold `ceil(num_tokens / block_size)` blocks).
+        """A forward of `num_tokens` prompt tokens (as prompts of up to max_model_len tokens)
+        plus sampling of min(max_num_reqs, num_tokens) rows, writing into the scratch
+        `kv_caches`, which must hold `sum(ceil(prompt_len / block_size))` blocks.
         Used to measure peak activation memory; touches no request state."""
-        block_size = kv_caches[0].shape[2]
         seq_len = min(num_tokens, self.max_model_len)
         seq_lens = [seq_len] * (num_tokens // seq_len)
         if num_tokens % seq_len:
             seq_lens.append(num_tokens % seq_len)
-        positions = np.concatenate([self._arange[:n] for n in seq_lens])
-        max_blocks = -(-seq_len // block_size)
-        block_table = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
-        next_block = 0
-        for r, n in enumerate(seq_lens):
-            num_blocks = -(-n // block_size)
-            block_table[r, :num_blocks] = np.arange(next_block, next_block + num_blocks)
-            next_block += num_blocks
-        req_rows = np.repeat(np.arange(len(seq_lens)), seq_lens)
-        slots = block_table[req_rows, positions // block_size] * block_size + positions % block_size
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slots.astype(np.int64)),
-            block_table=self._to_device(block_table),
-            seq_lens=self._to_device(np.array(seq_lens, dtype=np.int32)),
-            query_start_loc=self._to_device(np.cumsum([0, *seq_lens]).astype(np.int32)),
-            max_query_len=seq_len,
-            max_seq_len=seq_len,
+        positions, metadata = self._dummy_prompt_metadata(
+            seq_lens, block_size=kv_caches[0].shape[2]
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden_states = self.model.forward(
-            input_ids, self._to_device(positions), kv_caches, metadata
-        )
+        hidden_states = self.model.forward(input_ids, positions, kv_caches, metadata)
         num_rows = min(self.max_num_reqs, num_tokens)
         logits = self.model.compute_logits(hidden_states[:num_rows])
         self.sampler(logits, self._dummy_sampling_metadata(num_rows))
+
+    def _dummy_prompt_metadata(
+        self, seq_lens: list[int], block_size: int
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions and metadata of whole prompts of `seq_lens` tokens in consecutive blocks."""
+        num_blocks = [-(-n // block_size) for n in seq_lens]
+        block_table = np.zeros((len(seq_lens), max(num_blocks)), dtype=np.int32)
+        first_blocks = np.cumsum([0, *num_blocks])
+        for row, n in enumerate(num_blocks):
+            block_table[row, :n] = np.arange(first_blocks[row], first_blocks[row] + n)
+        positions = np.concatenate([self._arange[:n] for n in seq_lens])
+        req_rows = np.repeat(np.arange(len(seq_lens)), seq_lens)
+        block_ids = block_table[req_rows, positions // block_size].astype(np.int64)
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(block_ids * block_size + positions % block_size),
+            block_table=self._to_device(block_table),
+            seq_lens=self._to_device(np.array(seq_lens, dtype=np.int32)),
+            query_start_loc=self._to_device(np.cumsum([0, *seq_lens]).astype(np.int32)),
+            max_query_len=max(seq_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return self._to_device(positions), metadata
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -149,6 +154,7 @@ class ModelRunner:
         batch.condense()
 
     def _add_new_request(self, new_req: NewRequestData) -> None:
+        """A new request replaces any state still held under its id."""
         if new_req.req_id in self.requests:
             self.input_batch.remove_request(new_req.req_id)
         state = CachedRequestState(
@@ -195,22 +201,15 @@ class ModelRunner:
             [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]],
             dtype=np.int64,
         )
-        num_tokens = int(num_scheduled.sum())
-        self._check_token_count(num_tokens, scheduler_output.total_num_scheduled_tokens)
+        self._check_token_count(int(num_scheduled.sum()), scheduler_output)
         cu_num_scheduled = np.cumsum(num_scheduled)
-        req_rows = np.repeat(self._arange[:num_reqs], num_scheduled)
-        offsets = self._arange[:num_tokens] - np.repeat(
-            cu_num_scheduled - num_scheduled, num_scheduled
-        )
-        num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
-        positions = num_computed[req_rows] + offsets
-        seq_lens = num_computed + num_scheduled
+        req_rows, positions = self._token_rows_and_positions(num_scheduled, cu_num_scheduled)
+        seq_lens = batch.num_computed_tokens[:num_reqs] + num_scheduled
         self._check_scheduled_tokens_exist(seq_lens, batch.num_tokens[:num_reqs])
-
-        input_ids = batch.token_ids[req_rows, positions].astype(np.int64)
-        slot_mapping = batch.block_table.compute_slot_mapping(req_rows, positions)
         metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
+            slot_mapping=self._to_device(
+                batch.block_table.compute_slot_mapping(req_rows, positions)
+            ),
             block_table=batch.block_table.commit(num_reqs),
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
             query_start_loc=self._to_device(
@@ -223,12 +222,24 @@ class ModelRunner:
             (seq_lens == batch.num_tokens[:num_reqs]) & (num_scheduled > 0)
         )
         return StepInputs(
-            input_ids=self._to_device(input_ids),
+            input_ids=self._to_device(batch.token_ids[req_rows, positions].astype(np.int64)),
             positions=self._to_device(positions),
             metadata=metadata,
             sample_rows=sample_rows,
             logits_indices=self._to_device(cu_num_scheduled[sample_rows] - 1),
         )
+
+    def _token_rows_and_positions(
+        self, num_scheduled: np.ndarray, cu_num_scheduled: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Batch row and position of each scheduled token: row r contributes positions
+        `num_computed[r] .. num_computed[r] + num_scheduled[r] - 1`, rows in order."""
+        num_tokens = int(cu_num_scheduled[-1])
+        req_rows = np.repeat(self._arange[: len(num_scheduled)], num_scheduled)
+        first_token_of_row = np.repeat(cu_num_scheduled - num_scheduled, num_scheduled)
+        offsets = self._arange[:num_tokens] - first_token_of_row
+        num_computed = self.input_batch.num_computed_tokens[: len(num_scheduled)]
+        return req_rows, num_computed[req_rows].astype(np.int64) + offsets
 
     def _sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         batch = self.input_batch
@@ -252,7 +263,8 @@ class ModelRunner:
             req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs
         )
 
-    def _check_token_count(self, num_tokens: int, expected: int) -> None:
+    def _check_token_count(self, num_tokens: int, scheduler_output: SchedulerOutput) -> None:
+        expected = scheduler_output.total_num_scheduled_tokens
         if num_tokens != expected:
             raise ValueError(
                 f"scheduler output lists {num_tokens} tokens per request but "
