@@ -54,8 +54,13 @@ def make_case(
     poison: bool = True,
     num_padding_tokens: int = 0,
     seed: int = 0,
+    query_std: float = 2.0,
 ) -> AttentionCase:
-    """A batch where request r has seq_lens[r] tokens, the last q_lens[r] of them new."""
+    """A batch where request r has seq_lens[r] tokens, the last q_lens[r] of them new.
+
+    `query_std` > 1 makes the softmax peaky, so outputs are not averages near zero and a wrong
+    weight shows up well above the tolerance.
+    """
     if any(q > s for q, s in zip(q_lens, seq_lens, strict=True)):
         raise ValueError(f"q_lens {q_lens} must not exceed seq_lens {seq_lens}")
     generator = torch.Generator().manual_seed(seed)
@@ -100,7 +105,9 @@ def make_case(
         if num_tokens
         else _empty(num_kv_heads, head_dim, dtype)
     )
-    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    query = (query_std * torch.randn(num_tokens, num_heads, head_dim, generator=generator)).to(
+        dtype
+    )
     slot_mapping = torch.tensor(slots + [-1] * num_padding_tokens, dtype=torch.int64)
     query_start_loc = torch.tensor([0, *_cumsum(q_lens)], dtype=torch.int32)
     metadata = AttentionMetadata(
@@ -171,3 +178,22 @@ def _cumsum(values: list[int]) -> list[int]:
 
 def _empty(num_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, num_heads, head_dim, dtype=dtype)
+
+
+def assert_close_to_reference(case: AttentionCase, out: torch.Tensor) -> None:
+    """The KERNELS.md gate: error vs fp64 <= 3x torch's own error at out's dtype, + 1e-5.
+
+    Also: no NaN in any real token's output (unused cache slots are NaN in poisoned cases).
+    """
+    real = out[: case.num_real_tokens]
+    assert not torch.isnan(real).any(), "NaN in the output: an unused cache slot was read"
+    expected = naive_attention(case, torch.float64)
+    if expected.numel() == 0:
+        return
+    same_dtype = naive_attention(case, out.dtype)
+    torch_error = (same_dtype.double() - expected).abs().max().item()
+    error = (real.double() - expected).abs().max().item()
+    limit = 3 * torch_error + 1e-5
+    assert error <= limit, (
+        f"max error {error:.3g} above {limit:.3g} (torch at {out.dtype}: {torch_error:.3g})"
+    )

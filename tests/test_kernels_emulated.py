@@ -1,0 +1,166 @@
+"""The CUDA backend end to end on the CPU: the real `.cu` kernels run in the CPU emulator.
+
+`kernels.cuda_backend` is used unchanged except for three seams: the module loader compiles
+kernels as host C++ (tests/cuda_cpu_emulator.py), launches skip CuPy and streams, and the
+device reports 4 SMs so that small batches take the split-KV path. Every launch checks the
+argument packing against the kernel's parameter sizes. This covers the kernels' logic, the
+launcher's argument order, grids and split decisions; timing and the GPU memory model are left
+to the `gpu` tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cuda_backend
+from kernels import launch_config as lc
+from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
+from tests.paged_attention_cases import assert_close_to_reference, make_case, write_new_tokens
+
+NUM_SMS = 4
+
+pytestmark = pytest.mark.skipif(not compiler_available(), reason="g++ is not installed")
+
+
+@pytest.fixture
+def loader(monkeypatch) -> EmulatedLoader:
+    emulated = EmulatedLoader()
+    monkeypatch.setattr(cuda_backend, "default_loader", lambda: emulated)
+    monkeypatch.setattr(cuda_backend, "_launch", launch_on_cpu)
+    monkeypatch.setattr(cuda_backend, "_num_sms", lambda device_index: NUM_SMS)
+    monkeypatch.setattr(cuda_backend, "_max_shared_mem", lambda device_index: 227 * 1024)
+    return emulated
+
+
+def attend(case) -> torch.Tensor:
+    """Cache write and attention through the CUDA backend, as write_kv_and_attend does."""
+    cuda_backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    return cuda_backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+
+
+def launched(loader: EmulatedLoader) -> set[str]:
+    return {name for (_, name), kernel in loader.kernels.items() if kernel.num_launches}
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [
+        pytest.param([1], [1], id="context-1"),
+        pytest.param([15, 16, 17], [1, 1, 1], id="decode-block-pm1"),
+        pytest.param([15, 16, 17], [15, 16, 17], id="prefill-block-pm1"),
+        pytest.param([33, 16, 17, 70], [2, 16, 1, 1], id="chunked-and-decode"),
+        pytest.param([5, 0, 9], [0, 0, 9], id="requests-without-tokens"),
+    ],
+)
+def test_lengths(loader, seq_lens, q_lens):
+    case = make_case(seq_lens, q_lens, 8, 2, 64, num_padding_tokens=2)
+    assert_close_to_reference(case, attend(case))
+
+
+def test_decode_batch_runs_only_the_decode_kernel(loader):
+    case = make_case([3, 40], [1, 1], 4, 2, 64)
+    assert_close_to_reference(case, attend(case))
+    assert launched(loader) == {"reshape_and_cache", "decode_attention<float, 64, 2>"}
+
+
+def test_mixed_batch_runs_prefill_and_decode_kernels(loader):
+    case = make_case([3, 40], [3, 1], 4, 2, 64)
+    assert_close_to_reference(case, attend(case))
+    assert {"prefill_attention<float, 64>", "decode_attention<float, 64, 2>"} <= launched(loader)
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 4, 7, 8, 12])
+def test_gqa_groups(loader, group_size):
+    case = make_case([9, 40, 23], [1, 12, 23], 2 * group_size, 2, 64, seed=group_size)
+    assert_close_to_reference(case, attend(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_head_dims_and_dtypes(loader, head_dim, dtype):
+    case = make_case([20, 37, 5], [20, 1, 2], 4, 2, head_dim, dtype=dtype, seed=head_dim)
+    out = attend(case)
+    assert out.dtype == dtype
+    assert_close_to_reference(case, out)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48])
+def test_block_sizes(loader, block_size):
+    seq_lens = [block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+    case = make_case(seq_lens, [1, 4, block_size + 1, 1], 6, 3, 64, block_size=block_size)
+    assert_close_to_reference(case, attend(case))
+
+
+def test_split_kv_boundaries(loader):
+    """Contexts one key short of, exactly at, and one past a split boundary, merged by lse."""
+    num_reqs, max_seq_len = 5, 1100
+    launch = lc.decode_launch(num_reqs, 4, 1, 64, max_seq_len, NUM_SMS)
+    assert launch.needs_merge
+    kps = launch.keys_per_split
+    seq_lens = [kps - 1, kps, kps + 1, 2 * kps + 1, max_seq_len]
+    case = make_case(seq_lens, [1] * num_reqs, 4, 1, 64, block_size=16)
+    assert_close_to_reference(case, attend(case))
+    assert "merge_attention_states<float>" in launched(loader)
+
+
+def test_split_kv_in_bfloat16_with_gqa(loader):
+    case = make_case([700, 3], [1, 1], 8, 2, 128, dtype=torch.bfloat16)
+    assert_close_to_reference(case, attend(case))
+    assert "merge_attention_states<bf16_t>" in launched(loader)
+
+
+def test_poisoned_slots_never_leak(loader):
+    case = make_case([3, 17, 600], [3, 1, 1], 4, 2, 64, poison=True, num_padding_tokens=3)
+    assert torch.isnan(case.kv_cache).any()
+    assert_close_to_reference(case, attend(case))
+
+
+def test_empty_batch_launches_nothing(loader):
+    case = make_case([], [], 4, 2, 64)
+    out = attend(case)
+    assert out.shape == (0, 4, 64)
+    assert launched(loader) == set()
+
+
+def test_noncontiguous_query_and_foreign_dtype_out(loader):
+    case = make_case([30, 6], [5, 1], 4, 2, 64, dtype=torch.bfloat16)
+    write_new_tokens(case)
+    fused = torch.cat([case.query, torch.zeros_like(case.query)], dim=1)  # a qkv-like parent
+    query_view = fused[:, :4]
+    assert not query_view.is_contiguous()
+    out = torch.full(case.query.shape, float("nan"), dtype=torch.float32)
+    returned = cuda_backend.paged_attention(
+        query_view, case.kv_cache, case.metadata, case.scale, out=out
+    )
+    assert returned is out
+    assert_close_to_reference(case, out.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cache_write_is_bit_exact_and_skips_negative_slots(loader, dtype):
+    case = make_case([20, 5], [6, 5], 4, 2, 64, dtype=dtype, num_padding_tokens=4)
+    expected = case.kv_cache.clone()
+    flat_expected = expected.view(2, -1, 2, 64)
+    valid = case.metadata.slot_mapping >= 0
+    flat_expected[0, case.metadata.slot_mapping[valid]] = case.key[valid]
+    flat_expected[1, case.metadata.slot_mapping[valid]] = case.value[valid]
+    cuda_backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(case.kv_cache.view(bits), expected.view(bits))
+
+
+def test_cache_write_from_strided_views(loader):
+    case = make_case([9], [9], 4, 2, 64)
+    expected = case.kv_cache.clone()
+    write_new_tokens(case)
+    fused = torch.cat([case.key, case.value], dim=1)  # [T, 2 * H_kv, D]
+    cuda_backend.reshape_and_cache(fused[:, :2], fused[:, 2:], expected, case.metadata.slot_mapping)
+    assert torch.equal(expected.view(torch.int32), case.kv_cache.view(torch.int32))
+
+
+def test_wrong_cache_layout_is_rejected_with_its_shape(loader):
+    case = make_case([4], [4], 4, 2, 64)
+    flat_cache = case.kv_cache.view(2, 4, 16, 128)
+    with pytest.raises(ValueError, match=r"\(2, 4, 16, 128\)"):
+        cuda_backend.paged_attention(case.query, flat_cache, case.metadata, case.scale)
