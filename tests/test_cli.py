@@ -1,0 +1,166 @@
+"""core-serve's command line, its periodic stats log line and the Prometheus histograms."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from frontend.api_server import _log_stats
+from frontend.cli import DEFAULT_PORT, DEFAULT_SERVED_MODEL_NAME, parse_args
+from frontend.metrics import EngineMetrics, Histogram
+from proto import SchedulerStats
+from proto.engine_config import EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_serve_the_default_model_on_port_8000():
+    config, settings, args = parse_args([])
+    assert config == EngineConfig()
+    assert config.model is None
+    assert (args.host, args.port) == ("0.0.0.0", DEFAULT_PORT) == ("0.0.0.0", 8000)
+    assert settings.served_model_name == DEFAULT_SERVED_MODEL_NAME
+    assert settings.api_key is None
+    assert settings.log_stats_interval_s == 10.0
+
+
+def test_vllm_named_flags_reach_the_engine_config():
+    config, settings, args = parse_args(
+        [
+            "--model", "null",
+            "--device", "cpu",
+            "--dtype", "float32",
+            "--block-size", "32",
+            "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "512",
+            "--max-model-len", "1024",
+            "--gpu-memory-utilization", "0.5",
+            "--num-gpu-blocks-override", "100",
+            "--no-enable-prefix-caching",
+            "--tensor-parallel-size", "2",
+            "--api-key", "secret",
+            "--served-model-name", "my-model",
+            "--port", "9000",
+            "--disable-log-stats",
+        ]
+    )  # fmt: skip
+    assert config == EngineConfig(
+        model="null",
+        device="cpu",
+        dtype="float32",
+        block_size=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_model_len=1024,
+        gpu_memory_utilization=0.5,
+        num_gpu_blocks_override=100,
+        enable_prefix_caching=False,
+        tensor_parallel_size=2,
+    )
+    assert settings.api_key == "secret"
+    assert settings.served_model_name == "my-model"
+    assert settings.log_stats_interval_s is None
+    assert args.port == 9000
+    assert parse_args(["--enable-prefix-caching"])[0].enable_prefix_caching is True
+
+
+def test_served_model_name_defaults_to_the_model_argument():
+    assert parse_args(["--model", "/models/qwen"])[1].served_model_name == "/models/qwen"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--block-size", "3"], "block_size must be a power of two, got 3"),
+        (["--device", "tpu"], "device must be one of"),
+        (["--max-num-seqs", "many"], "invalid engine option"),
+        (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
+    ],
+)
+def test_bad_flags_exit_with_a_usage_error_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_console_script_points_at_main():
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    match = re.search(r'^\[project\.scripts\]\ncore-serve = "([\w.:]+)"$', pyproject, re.M)
+    assert match is not None, "pyproject.toml declares no core-serve console script"
+    module_name, function_name = match.group(1).split(":")
+    assert callable(getattr(importlib.import_module(module_name), function_name))
+
+
+def make_stats(**fields) -> SchedulerStats:
+    return SchedulerStats(**fields)
+
+
+def test_log_line_reports_interval_throughput_queues_kv_and_prefix_hits():
+    metrics = EngineMetrics(start_time_s=100.0)
+    metrics.record_request(num_prompt_tokens=100)
+    metrics.record_tokens(50)
+    stats = make_stats(
+        num_running_reqs=2,
+        num_waiting_reqs=1,
+        kv_cache_usage=0.25,
+        prefix_cache_queries=40,
+        prefix_cache_hits=10,
+    )
+    assert metrics.log_line(stats, now_s=110.0) == (
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
+        "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%"
+    )
+    metrics.record_tokens(30)
+    line = metrics.log_line(make_stats(), now_s=120.0)
+    assert line.startswith(
+        "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 3.0 tokens/s"
+    )
+
+
+def test_stats_are_logged_every_interval(caplog):
+    class FakeEngine:
+        def __init__(self) -> None:
+            self.metrics = EngineMetrics()
+            self.num_calls = 0
+
+        async def get_stats(self) -> SchedulerStats:
+            self.num_calls += 1
+            return make_stats(num_running_reqs=self.num_calls)
+
+    async def run_briefly(engine: FakeEngine) -> None:
+        task = asyncio.create_task(_log_stats(engine, interval_s=0.01))
+        while engine.num_calls < 3:
+            await asyncio.sleep(0.005)
+        task.cancel()
+
+    with caplog.at_level(logging.INFO, logger="frontend.api_server"):
+        asyncio.run(run_briefly(FakeEngine()))
+    lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
+    assert len(lines) >= 2
+    assert "Running: 1 reqs" in lines[0] and "Running: 2 reqs" in lines[1]
+
+
+def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
+    histogram = Histogram((0.1, 1.0))
+    for value_s in (0.05, 0.1, 0.5, 3.0):
+        histogram.observe(value_s)
+    assert histogram.render("latency", "help", 'model_name="m"') == [
+        "# HELP latency help",
+        "# TYPE latency histogram",
+        'latency_bucket{model_name="m",le="0.1"} 2',
+        'latency_bucket{model_name="m",le="1.0"} 3',
+        'latency_bucket{model_name="m",le="+Inf"} 4',
+        'latency_sum{model_name="m"} 3.65',
+        'latency_count{model_name="m"} 4',
+    ]
+
+
+def test_prometheus_text_escapes_the_model_name():
+    text = EngineMetrics().render_prometheus(make_stats(num_waiting_reqs=3), 'a"b')
+    assert 'core_num_requests_waiting{model_name="a\\"b"} 3' in text
