@@ -328,6 +328,10 @@ def write_gguf_from_transformers_model(model: torch.nn.Module, path: Path, arch:
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor(
+            "rope_freqs.weight", _llama_cpp_rope_freqs(config.rope_parameters, head_dim)
+        )
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -365,3 +369,33 @@ def _llama_cpp_permute(weights, num_heads: int, num_kv_heads: int):
         .swapaxes(1, 2)
         .reshape(weights.shape)
     )
+
+
+def _llama_cpp_rope_freqs(rope_parameters: dict, head_dim: int):
+    """llama.cpp convert_hf_to_gguf.py's Llama 3 `rope_freqs` tensor: per-frequency divisors."""
+    import math
+
+    import numpy as np
+
+    factor = rope_parameters["factor"]
+    low_freq_factor = rope_parameters["low_freq_factor"]
+    high_freq_factor = rope_parameters["high_freq_factor"]
+    old_context_len = rope_parameters["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    freqs = 1.0 / (
+        rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    )
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, dtype=np.float32)

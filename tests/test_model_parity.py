@@ -185,6 +185,7 @@ def test_tiny_variant_matches_transformers(variant_name, tmp_path):
     ("variant_name", "arch"),
     [
         ("llama_untied", "llama"),
+        ("llama3_rope", "llama"),
         ("mistral_8_heads", "llama"),
         ("qwen2_bias", "qwen2"),
         ("qwen3_qk_norm", "qwen3"),

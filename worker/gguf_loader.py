@@ -45,6 +45,8 @@ LAYER_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 LAYER_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama 3.1+ GGUFs store RoPE scaling as per-frequency divisors in this tensor.
+ROPE_FREQS_TENSOR_NAME = "rope_freqs.weight"
 # llama.cpp's file types whose weights are all unquantized, as HF dtype names.
 FILE_TYPE_TO_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}
 
@@ -82,11 +84,6 @@ def gguf_to_hf_config(reader) -> tuple[dict[str, Any], dict[str, Any]]:
             f"{', '.join(GGUF_ARCHITECTURE_TO_HF)}"
         )
     tensor_shapes = {tensor.name: [int(n) for n in tensor.shape] for tensor in reader.tensors}
-    if "rope_freqs.weight" in tensor_shapes:
-        raise ValueError(
-            "GGUF files with a rope_freqs tensor (Llama 3.1+ rope scaling) are not supported; "
-            "use the model's Hugging Face folder instead"
-        )
     num_attention_heads = int(_arch_field(reader, arch, "attention.head_count"))
     num_key_value_heads = _arch_field(reader, arch, "attention.head_count_kv", num_attention_heads)
     if isinstance(num_key_value_heads, list):
@@ -111,7 +108,7 @@ def gguf_to_hf_config(reader) -> tuple[dict[str, Any], dict[str, Any]]:
         "head_dim": head_dim,
         "rms_norm_eps": float(_arch_field(reader, arch, "attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_arch_field(reader, arch, "rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(reader, arch),
+        "rope_scaling": _rope_freq_factors(reader) or _rope_scaling(reader, arch),
         "max_position_embeddings": int(_arch_field(reader, arch, "context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "attention_bias": "blk.0.attn_q.bias" in tensor_shapes,
@@ -137,6 +134,8 @@ def iter_gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.
 
     arch = read_field(reader, "general.architecture")
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR_NAME:  # read into the config instead
+            continue
         hf_name = gguf_to_hf_tensor_name(tensor.name)
         weights = np.asarray(
             gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
@@ -181,6 +180,24 @@ def _arch_field(reader, arch: str, key: str, default: Any = None) -> Any:
     if value is None:
         raise ValueError(f"GGUF metadata has no {arch}.{key}")
     return value
+
+
+def _rope_freq_factors(reader) -> dict[str, Any] | None:
+    """{"rope_type": "gguf_freq_factors", "freq_factors": [...]} from the rope_freqs tensor.
+
+    llama.cpp divides each RoPE frequency by its factor, which is how it encodes Llama 3's
+    frequency-dependent scaling (the scaling parameters themselves are not in the metadata).
+    """
+    import gguf
+
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR_NAME:
+            factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            return {
+                "rope_type": "gguf_freq_factors",
+                "freq_factors": [float(f) for f in factors.reshape(-1)],
+            }
+    return None
 
 
 def _rope_scaling(reader, arch: str) -> dict[str, Any] | None:

@@ -86,7 +86,9 @@ class RotaryEmbedding(nn.Module):
 
     `rope_scaling` None, {"rope_type": "linear", "factor"} or Llama 3's
     {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}; angles are computed on the fly, so any position works.
+    "original_max_position_embeddings"}, or {"rope_type": "gguf_freq_factors", "freq_factors"}
+    (llama.cpp's per-frequency divisors, one per rotary pair). Angles are computed on the fly,
+    so any position works.
     """
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None) -> None:
@@ -100,6 +102,14 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / float(rope_scaling["factor"])
         elif rope_type == "llama3":
             inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling)
+        elif rope_type == "gguf_freq_factors":
+            freq_factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32)
+            if freq_factors.shape != inv_freq.shape:
+                raise ValueError(
+                    f"rope freq_factors has {freq_factors.numel()} values, expected head_dim / 2 "
+                    f"= {inv_freq.numel()}"
+                )
+            inv_freq = inv_freq / freq_factors
         elif rope_type != "default":
             raise ValueError(f"unsupported rope_type {rope_type!r}")
         self.register_buffer("inv_freq", inv_freq, persistent=False)

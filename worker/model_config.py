@@ -24,7 +24,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPE_TO_ARCHITECTURE.values())
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "gguf_freq_factors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,8 @@ class ModelConfig:
 
     `attention_bias`: q/k/v projections carry a bias; `attention_output_bias`: o_proj does.
     `rope_scaling` is None for plain RoPE, else a dict with "rope_type" in
-    SUPPORTED_ROPE_TYPES and that type's parameters (HF names). `max_position_embeddings` is
+    SUPPORTED_ROPE_TYPES and that type's parameters (HF names; "gguf_freq_factors" carries
+    llama.cpp's per-frequency divisors as "freq_factors"). `max_position_embeddings` is
     the longest sequence served exactly (clamped to the sliding window when the model has one,
     since attention here is always full). `eos_token_ids` holds every stop id of config.json
     and generation_config.json, first the config's.
