@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cuda_backend
+from kernels import attention, cuda_backend
 from kernels import launch_config as lc
+from kernels.warmup import warmup
 from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
 from tests.paged_attention_cases import assert_close_to_reference, make_case, write_new_tokens
 
@@ -164,3 +165,19 @@ def test_wrong_cache_layout_is_rejected_with_its_shape(loader):
     flat_cache = case.kv_cache.view(2, 4, 16, 128)
     with pytest.raises(ValueError, match=r"\(2, 4, 16, 128\)"):
         cuda_backend.paged_attention(case.query, flat_cache, case.metadata, case.scale)
+
+
+def test_warmup_compiles_every_kernel_the_model_needs(loader, monkeypatch):
+    monkeypatch.setattr(attention, "select_backend", lambda device: cuda_backend)
+    warmup("cpu", torch.float32, num_heads=9, num_kv_heads=3, head_dim=64)
+    assert launched(loader) == {
+        "reshape_and_cache",
+        "prefill_attention<float, 64>",
+        "decode_attention<float, 64, 3>",
+        "merge_attention_states<float>",
+    }
+
+
+def test_warmup_on_cpu_uses_the_reference(loader):
+    warmup("cpu", torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64)
+    assert loader.num_compiled == 0
