@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         ready = WorkerReady(args.rank, num_gpu_blocks, worker.max_model_len, device)
         output_socket.send_multipart(encoder.encode(ready))
         _serve(worker, args.rank, config, input_socket, output_socket, encoder)
+        _leave_process_group(config, args.world_size)
         return 0
     except Exception as exc:
         logger.exception("worker rank %d failed", args.rank)
@@ -90,12 +91,25 @@ def _serve(worker, rank: int, config: EngineConfig, input_socket, output_socket,
             return
 
 
+def _leave_process_group(config: EngineConfig, world_size: int) -> None:
+    """A clean exit leaves the tensor-parallel group (NCCL warns about a group never destroyed)."""
+    if world_size > 1 and not config.is_null_model:
+        from worker.parallel_state import destroy_distributed
+
+        destroy_distributed()
+
+
 def _make_worker(config: EngineConfig, rank: int, world_size: int):
-    """The NullWorker for model "null" (no torch import), else the real Worker."""
+    """The NullWorker for model "null" (no torch import), else the real Worker (whose CPU KV
+    budget CORE_ENGINE_KV_CACHE_MEMORY_BYTES may set, per rank)."""
+    extra_kwargs = {}
     if config.is_null_model:
         from worker.null_worker import NullWorker as worker_class
     else:
+        from worker.memory_profiler import kv_cache_memory_bytes_from_env
         from worker.worker import Worker as worker_class
+
+        extra_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes_from_env(rank, world_size)
     return worker_class(
         model=config.model,
         device=config.device,
@@ -108,6 +122,7 @@ def _make_worker(config: EngineConfig, rank: int, world_size: int):
         max_num_batched_tokens=config.max_num_batched_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
         seed=config.seed,
+        **extra_kwargs,
     )
 
 

@@ -10,6 +10,7 @@ import torch
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_MAX_BYTES = 4 * GiB
 CPU_KV_CACHE_FRACTION_OF_AVAILABLE = 0.4
+KV_CACHE_MEMORY_BYTES_ENV = "CORE_ENGINE_KV_CACHE_MEMORY_BYTES"
 
 
 def cpu_kv_cache_bytes(override_bytes: int | None = None) -> int:
@@ -20,6 +21,25 @@ def cpu_kv_cache_bytes(override_bytes: int | None = None) -> int:
         return override_bytes
     available = read_mem_available_bytes()
     return min(DEFAULT_CPU_KV_CACHE_MAX_BYTES, int(available * CPU_KV_CACHE_FRACTION_OF_AVAILABLE))
+
+
+def kv_cache_memory_bytes_from_env(rank: int, world_size: int) -> int | None:
+    """This rank's CPU KV budget from CORE_ENGINE_KV_CACHE_MEMORY_BYTES, or None when unset.
+
+    The variable holds one byte count for every rank ("268435456") or a comma-separated list
+    with one per rank ("268435456,134217728"), so ranks may report different sizes (the engine
+    core then sizes the cache to the smallest). ValueError names the bad text.
+    """
+    text = os.environ.get(KV_CACHE_MEMORY_BYTES_ENV, "").strip()
+    if not text:
+        return None
+    fields = [field.strip() for field in text.split(",")]
+    if len(fields) not in (1, world_size) or not all(field.isdigit() for field in fields):
+        raise ValueError(
+            f"{KV_CACHE_MEMORY_BYTES_ENV}={text!r} must be one byte count or {world_size} "
+            "comma-separated ones (one per rank)"
+        )
+    return int(fields[0] if len(fields) == 1 else fields[rank])
 
 
 def read_mem_available_bytes() -> int:

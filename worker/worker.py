@@ -7,6 +7,7 @@ import torch
 from proto import ModelRunnerOutput, SchedulerOutput
 from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from worker.model_runner import ModelRunner
+from worker.parallel_state import init_distributed
 
 DTYPE_NAMES = {
     "float32": torch.float32,
@@ -22,8 +23,11 @@ class Worker:
 
     `initialize_cache` may be called again to start over with a fresh KV cache and no request
     state (the model stays loaded). With `world_size > 1` each rank holds a tensor-parallel
-    shard; `torch.distributed` is initialised from the environment (`MASTER_ADDR`,
-    `MASTER_PORT`) unless the caller already did it.
+    shard: `load_model` joins the process group (`worker.parallel_state.init_distributed`,
+    rendezvous from `MASTER_ADDR`/`MASTER_PORT`) unless the caller already did, and from then on
+    every rank must get the same calls in the same order (each forward runs collectives).
+    Every rank sees full logits and samples, but only rank 0's samples are meant to be used;
+    other ranks take token history from `CachedRequestData.new_token_ids`.
     `kv_cache_memory_bytes` replaces the CPU KV budget (default min(4 GiB, 40% of MemAvailable)).
     """
 
@@ -77,7 +81,7 @@ class Worker:
         torch.manual_seed(self.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self._init_distributed()
+        init_distributed(self.rank, self.world_size, self.device)
         path = resolve_model_path(self.model_name)
         self.model, self.model_config = load_model(
             path, self.device, self.dtype, tp_rank=self.rank, tp_size=self.world_size
@@ -186,14 +190,6 @@ class Worker:
                 f"(max_position_embeddings={model_max}); pass max_model_len <= {model_max}"
             )
         return requested
-
-    def _init_distributed(self) -> None:
-        if self.world_size == 1 or torch.distributed.is_initialized():
-            return
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(
-            backend, init_method="env://", rank=self.rank, world_size=self.world_size
-        )
 
     def _require_loaded(self) -> None:
         if self.model is None:
