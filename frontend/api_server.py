@@ -14,7 +14,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
 
 @dataclass(slots=True, frozen=True)
@@ -191,14 +192,45 @@ def _add_routes(app: FastAPI, settings: ServerSettings) -> None:
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)], response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | BaseModel:
         _check_model(body.model, settings)
-        return await _create_completion(_engine(request), body, settings.served_model_name)
+        engine = _engine(request)
+        return await _until_disconnected(
+            request, _create_completion(engine, body, settings.served_model_name)
+        )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)], response_model=None)
     async def chat_completions(
         body: ChatCompletionRequest, request: Request
     ) -> Response | BaseModel:
         _check_model(body.model, settings)
-        return await _create_chat_completion(_engine(request), body, settings.served_model_name)
+        engine = _engine(request)
+        return await _until_disconnected(
+            request, _create_chat_completion(engine, body, settings.served_model_name)
+        )
+
+
+async def _until_disconnected(
+    request: Request, handler: Coroutine[Any, Any, Response | BaseModel]
+) -> Response | BaseModel:
+    """Runs `handler`, cancelling it (which aborts its engine requests) if the client leaves.
+
+    Streaming responses return at once; their disconnects cancel the event stream instead.
+    """
+    work = asyncio.ensure_future(handler)
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return work.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _create_completion(

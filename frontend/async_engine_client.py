@@ -143,12 +143,8 @@ class AsyncEngineClient:
         *,
         stream: bool = True,
         priority: int = 0,
-        prompt_text: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submits one request (text or token ids); see the class contract for the iterator.
-
-        `prompt_text` is reported as `RequestOutput.prompt` for token id prompts.
-        """
+        """Submits one request (text or token ids); see the class contract for the iterator."""
         self._raise_if_dead()
         params = sampling_params if sampling_params is not None else SamplingParams()
         prompt_token_ids = self.tokenize(prompt)
@@ -157,7 +153,7 @@ class AsyncEngineClient:
         self._raise_if_running(request_id)
         processor = OutputProcessor(
             request_id,
-            prompt if isinstance(prompt, str) else prompt_text,
+            prompt if isinstance(prompt, str) else None,
             prompt_token_ids,
             params,
             self.tokenizer,

@@ -327,6 +327,15 @@ def test_client_disconnect_mid_stream_aborts_the_request(server):
     assert metric(server.base_url, "kv_cache_usage_perc") == 0.0
 
 
+def test_client_leaving_before_a_non_streamed_answer_aborts_the_request(server):
+    body = {"model": MODEL_NAME, "prompt": "long", "max_tokens": 60000}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=1.0)
+    assert wait_until(lambda: metric(server.base_url, "num_requests_running") == 0, 10.0)
+    assert metric(server.base_url, "kv_cache_usage_perc") == 0.0
+
+
 def test_invalid_parameters_answer_400_naming_the_parameter(server):
     response = post(server, "/v1/completions", {"prompt": "abc", "max_tokens": NULL_MAX_MODEL_LEN})
     assert response.status_code == 400
