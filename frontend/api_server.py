@@ -305,7 +305,7 @@ async def _completion_events(
         if body.include_usage_in_stream:
             usage = _usage(list(finals.values()))
             yield _sse(CompletionResponse(id=request_id, model=model_name, choices=[], usage=usage))
-    except (EngineDeadError, APIError) as exc:
+    except EngineDeadError as exc:
         yield _sse_error(exc)
     yield SSE_DONE
 
@@ -381,7 +381,7 @@ async def _chat_events(
             yield chunk(choices)
         if body.include_usage_in_stream and final is not None:
             yield chunk([], _usage([final]))
-    except (EngineDeadError, APIError) as exc:
+    except EngineDeadError as exc:
         yield _sse_error(exc)
     yield SSE_DONE
 
@@ -574,7 +574,5 @@ def _sse(response: BaseModel) -> str:
     return f"data: {response.model_dump_json()}\n\n"
 
 
-def _sse_error(exc: Exception) -> str:
-    error = engine_dead_error(exc) if isinstance(exc, EngineDeadError) else exc
-    assert isinstance(error, APIError)
-    return _sse(ErrorResponse(error=error.info))
+def _sse_error(exc: EngineDeadError) -> str:
+    return _sse(ErrorResponse(error=engine_dead_error(exc).info))

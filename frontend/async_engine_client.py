@@ -84,10 +84,6 @@ class AsyncEngineClient:
     def is_dead(self) -> bool:
         return self._core.is_dead
 
-    @property
-    def num_running_requests(self) -> int:
-        return len(self._request_id_to_processor)
-
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, or a checked copy of a token id prompt."""
         if isinstance(prompt, str):

@@ -138,3 +138,9 @@ def test_async_engine_client_abort_and_dead_engine():
             await engine.check_health()
 
     asyncio.run(scenario())
+
+
+def test_a_missing_model_fails_fast_naming_the_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM(model=str(missing))
