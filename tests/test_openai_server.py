@@ -407,7 +407,8 @@ def test_models_health_and_metrics(server, client):
 
 
 def test_health_answers_503_after_the_core_is_killed(tmp_path):
-    server = ServerProcess(["--model", "null", "--disable-log-stats"], tmp_path / "log")
+    args = ["--model", "null", "--disable-log-stats", "--max-model-len", str(NULL_MAX_MODEL_LEN)]
+    server = ServerProcess([*args, "--num-gpu-blocks-override", "8192"], tmp_path / "log")
     try:
         server.wait_ready()
         core_pids = {
@@ -416,7 +417,15 @@ def test_health_answers_503_after_the_core_is_killed(tmp_path):
             if b"core" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         }
         assert len(core_pids) == 1, server.log_tail()
-        os.kill(core_pids.pop(), signal.SIGKILL)
+        body = {"prompt": "x", "max_tokens": 60000, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(core_pids.pop(), signal.SIGKILL)
+            rest = [line for line in lines if line]
+        # The stream in flight ends with an error event, then [DONE].
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "engine_dead"
         assert wait_until(
             lambda: httpx.get(f"{server.base_url}/health").status_code == 503, 10.0
         ), server.log_tail()
