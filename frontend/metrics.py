@@ -24,9 +24,12 @@ INTER_TOKEN_LATENCY_BUCKETS_S = (
 
 @dataclass(slots=True)
 class Histogram:
-    """A Prometheus histogram. `bucket_counts[i]` counts observations <= `upper_bounds_s[i]`
-    and above the previous bound (rendering makes them cumulative); larger ones only count
-    towards `+Inf` through `count`."""
+    """A Prometheus histogram.
+
+    `bucket_counts[i]` counts observations in (`upper_bounds_s[i-1]`, `upper_bounds_s[i]`];
+    `render` makes them cumulative. Observations above the last bound only count in `count`
+    (the `+Inf` bucket).
+    """
 
     upper_bounds_s: tuple[float, ...]
     bucket_counts: list[int] = field(default_factory=list)
