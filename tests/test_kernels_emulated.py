@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention, cuda_backend
+from kernels import attention, cuda_backend, torch_reference
 from kernels import launch_config as lc
 from kernels.warmup import warmup
 from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
@@ -181,3 +181,32 @@ def test_warmup_compiles_every_kernel_the_model_needs(loader, monkeypatch):
 def test_warmup_on_cpu_uses_the_reference(loader):
     warmup("cpu", torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64)
     assert loader.num_compiled == 0
+
+
+def test_engine_greedy_tokens_match_the_reference_backend(loader, monkeypatch, tmp_path):
+    """A tiny random Llama through scripts.generate: emulated kernels vs the torch reference."""
+    from proto import SamplingParams
+    from proto.engine_config import EngineConfig
+    from scripts.generate import generate_token_ids
+    from tests.model_fixtures import build_tiny_model_folder
+
+    folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (1, 40, 150)]
+    config = EngineConfig(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=32,  # chunked prefill: prefill and decode kernels in one step
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def greedy(backend) -> list[list[int]]:
+        monkeypatch.setattr(attention, "select_backend", lambda device: backend)
+        output = generate_token_ids(prompts, config, sampling_params=params)
+        return [result.token_ids for result in output.results]
+
+    with_kernels = greedy(cuda_backend)
+    assert {"prefill_attention<float, 16>", "decode_attention<float, 16, 2>"} <= launched(loader)
+    assert with_kernels == greedy(torch_reference)
