@@ -134,6 +134,11 @@ TINY_VARIANTS = {
                 },
             },
         ),
+        TinyVariant(
+            "llama_mqa_bias",
+            "LlamaForCausalLM",
+            {"num_key_value_heads": 1, "attention_bias": True, "tie_word_embeddings": True},
+        ),
         TinyVariant("qwen2_bias", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
         TinyVariant(
             "qwen3_qk_norm", "Qwen3ForCausalLM", {"head_dim": 24, "tie_word_embeddings": True}

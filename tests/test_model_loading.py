@@ -323,3 +323,75 @@ def test_qkv_layer_replicates_kv_heads_when_ranks_outnumber_them():
         assert torch.equal(v_rows, v[kv_head * 2 : kv_head * 2 + 2])
     with pytest.raises(ValueError, match="num_attention_heads=9 is not divisible by tp_size=2"):
         QKVParallelLinear(hidden, head_dim, 9, 3, tp_size=2)
+
+
+def _tensor_parallel_rank(
+    rank: int, world_size: int, init_method: str, folder: str, out: str
+) -> None:
+    """One rank of `test_tensor_parallel_forward_matches_single_rank` (spawned process)."""
+    import torch.distributed as dist
+
+    from tests.model_fixtures import build_paged_batch, scattered_block_ids
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        model, config = load_model(folder, CPU, torch.float32, tp_rank=rank, tp_size=world_size)
+        torch.save(
+            _paged_prefill_logits(
+                model, config, world_size, build_paged_batch, scattered_block_ids
+            ),
+            out,
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _paged_prefill_logits(model, config, tp_size, build_paged_batch, scattered_block_ids):
+    prompts = [list(range(3, 20)), list(range(40, 90))]
+    block_ids = scattered_block_ids([len(p) for p in prompts], 16)
+    num_kv_heads = max(1, config.num_key_value_heads // tp_size)
+    kv_caches = [
+        torch.zeros(2, 10, 16, num_kv_heads, config.head_dim)
+        for _ in range(config.num_hidden_layers)
+    ]
+    batch = build_paged_batch(prompts, [0, 0], block_ids, 16)
+    with torch.inference_mode():
+        return model.compute_logits(
+            model(batch.input_ids, batch.positions, kv_caches, batch.metadata)
+        )
+
+
+def test_tensor_parallel_forward_matches_single_rank(tmp_path):
+    """Two gloo ranks (the one KV head replicated, o_proj bias, vocab-parallel tied head)
+    produce the single-rank logits on every rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests.model_fixtures import build_paged_batch, scattered_block_ids
+
+    folder = build_tiny_model_folder(tmp_path / "mqa", "llama_mqa_bias")
+    model, config = load_model(folder, CPU, torch.float32)
+    expected = _paged_prefill_logits(model, config, 1, build_paged_batch, scattered_block_ids)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    context = mp.get_context("spawn")
+    outputs = [tmp_path / f"rank{rank}.pt" for rank in range(2)]
+    processes = [
+        context.Process(
+            target=_tensor_parallel_rank,
+            args=(rank, 2, init_method, str(folder), str(outputs[rank])),
+        )
+        for rank in range(2)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=240)
+        if process.is_alive():
+            process.kill()
+    assert [process.exitcode for process in processes] == [0, 0]
+    for output in outputs:
+        torch.testing.assert_close(torch.load(output), expected, atol=1e-5, rtol=0)
