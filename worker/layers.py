@@ -4,8 +4,8 @@ Tensor parallelism (Megatron style): column-parallel layers split their output f
 ranks, row-parallel layers split their input features and all-reduce the partial sums, the
 embedding and LM head split the vocabulary. Every parameter carries a `weight_loader` that
 takes the FULL checkpoint tensor and copies in this rank's slice, so loaders never know about
-ranks. With `tp_size == 1` (today's only tested case) the collectives are no-ops; with more
-they use the default torch.distributed process group.
+ranks. With `tp_size == 1` the collectives are no-ops; with more they use the default
+torch.distributed process group (tested with gloo at tp_size 2).
 
 Numerics follow transformers' Llama exactly (norm in float32, RoPE angles in float32, same
 operation order), so logits match it to float32 rounding.
