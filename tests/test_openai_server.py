@@ -26,12 +26,14 @@ import pytest
 
 from frontend.null_tokenizer import NullTokenizer
 from proto import SamplingParams
+from proto.engine_config import EngineConfig
 
 API_KEY = "test-key"
 MODEL_NAME = "null-model"
 NULL_MAX_MODEL_LEN = 65536
 STARTUP_TIMEOUT_S = 120.0
 TOKENIZER = NullTokenizer()
+SMALL_KV_CACHE_NUM_BLOCKS = 64  # instead of a multi-GiB CPU KV cache per engine
 
 
 class ServerProcess:
@@ -472,10 +474,17 @@ def test_greedy_output_equals_the_in_process_engine(tmp_path):
     max_tokens = 8
     reference = generate(
         prompts,
+        EngineConfig(max_model_len=512, num_gpu_blocks_override=SMALL_KV_CACHE_NUM_BLOCKS),
         sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-        max_model_len=512,
     )
-    server = ServerProcess(["--max-model-len", "512", "--disable-log-stats"], tmp_path / "log")
+    server = ServerProcess(
+        [
+            "--max-model-len", "512",
+            "--num-gpu-blocks-override", str(SMALL_KV_CACHE_NUM_BLOCKS),
+            "--disable-log-stats",
+        ],
+        tmp_path / "log",
+    )  # fmt: skip
     try:
         server.wait_ready()
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
