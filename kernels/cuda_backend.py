@@ -87,7 +87,8 @@ def paged_attention(
     """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal.
 
     Requests with one query token go to the decode kernel (split-KV when the batch is too small
-    to fill the GPU), the others to the prefill kernel; a mixed batch runs both. Returns `out`
+    to fill the GPU), the others to the prefill kernel (tensor cores for fp16/bf16 with
+    head_dim % 16 == 0, CUDA cores otherwise); a mixed batch runs both. Returns `out`
     (allocated like query when None); rows of tokens outside every request are left untouched.
     """
     num_tokens, num_heads, head_dim = (int(s) for s in query.shape)
@@ -217,14 +218,16 @@ def _run_decode(batch: _Batch, max_seq_len: int) -> None:
 
 def _run_prefill(batch: _Batch, max_query_len: int) -> None:
     launch = lc.prefill_launch(
-        batch.num_reqs, batch.num_heads, batch.num_kv_heads, batch.head_dim, max_query_len
+        batch.num_reqs,
+        batch.num_heads,
+        batch.num_kv_heads,
+        batch.head_dim,
+        max_query_len,
+        batch.dtype_name,
     )
     _check_shared_mem(launch.shared_mem_bytes, batch.device.index, batch.head_dim)
     kernel = default_loader().get_kernel(
-        "prefill_attention.cu",
-        lc.prefill_kernel_name(batch.dtype_name, batch.head_dim),
-        batch.device.index,
-        launch.shared_mem_bytes,
+        launch.source_name, launch.kernel_name, batch.device.index, launch.shared_mem_bytes
     )
     args = (
         *batch.common_args(),

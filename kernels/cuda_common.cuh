@@ -176,3 +176,63 @@ __device__ __forceinline__ long long cache_slot(const int* block_row, int pos, i
   const int block = block_row[pos / block_size];
   return static_cast<long long>(block) * block_size + (pos % block_size);
 }
+
+#if !defined(__CUDA_ARCH__)
+// Host builds only (the tests' CPU emulator defines it): one warp-wide m16n8k16 MMA.
+__host__ __device__ void host_mma_m16n8k16(float* d, const unsigned int* a, const unsigned int* b,
+                                           bool is_bf16);
+#endif
+
+// D += A * B for one warp-wide m16n8k16 tile on tensor cores, fp32 accumulators (sm_80+).
+// Fragments follow the PTX ISA layout for mma.m16n8k16 (g = lane / 4, t = lane % 4):
+//   a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]
+//   b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]
+//   d[0..1] = D[g][2t..2t+1], d[2..3] = D[g+8][2t..2t+1]
+// Each 32-bit register holds two 16-bit elements, the lower index in the low half.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned int (&a)[4],
+                                             const unsigned int (&b)[2]);
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<half_t>(float (&d)[4], const unsigned int (&a)[4],
+                                                     const unsigned int (&b)[2]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  host_mma_m16n8k16(d, a, b, false);
+#endif
+}
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<bf16_t>(float (&d)[4], const unsigned int (&a)[4],
+                                                     const unsigned int (&b)[2]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  host_mma_m16n8k16(d, a, b, true);
+#endif
+}
+
+// Two floats rounded to T and packed into one 32-bit MMA operand register (lo in the low half).
+template <typename T>
+__device__ __forceinline__ unsigned int pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ unsigned int pack2<half_t>(float lo, float hi) {
+  return static_cast<unsigned int>(float_to_half_bits(lo)) |
+         (static_cast<unsigned int>(float_to_half_bits(hi)) << 16);
+}
+
+template <>
+__device__ __forceinline__ unsigned int pack2<bf16_t>(float lo, float hi) {
+  return static_cast<unsigned int>(float_to_bf16_bits(lo)) |
+         (static_cast<unsigned int>(float_to_bf16_bits(hi)) << 16);
+}

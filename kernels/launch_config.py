@@ -26,6 +26,12 @@ PREFILL_ROWS = 64
 PREFILL_KEYS = 32
 PREFILL_ROW_PAD = 4
 PREFILL_PROB_STRIDE = PREFILL_KEYS + 1
+# prefill_attention_tc.cu (tensor cores: fp16 / bf16, head_dim % 16 == 0)
+PREFILL_TC_THREADS = 128
+PREFILL_TC_ROWS = 64
+PREFILL_TC_KEYS = 64
+PREFILL_TC_PAD = 8
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 # merge_attention_states.cu
 MERGE_THREADS = 128
 # reshape_and_cache.cu
@@ -75,12 +81,21 @@ class DecodeLaunch:
 
 @dataclass(frozen=True, slots=True)
 class PrefillLaunch:
-    """Launch of prefill_attention; `tokens_per_tile * group_size <= PREFILL_ROWS`."""
+    """Launch of the prefill kernel in `source_name` / `kernel_name` (same arguments for both).
+
+    `tokens_per_tile * group_size <= PREFILL_ROWS` (both kernels have 64 rows per CTA).
+    """
 
     grid: Dim3
     block: Dim3
     shared_mem_bytes: int
     tokens_per_tile: int
+    source_name: str
+    kernel_name: str
+
+    @property
+    def uses_tensor_cores(self) -> bool:
+        return self.source_name == "prefill_attention_tc.cu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +156,10 @@ def decode_kernel_name(dtype_name: str, head_dim: int, heads_per_cta: int) -> st
 
 def prefill_kernel_name(dtype_name: str, head_dim: int) -> str:
     return f"prefill_attention<{cuda_type(dtype_name)}, {head_dim}>"
+
+
+def prefill_tc_kernel_name(dtype_name: str, head_dim: int) -> str:
+    return f"prefill_attention_tc<{cuda_type(dtype_name)}, {head_dim}>"
 
 
 def merge_kernel_name(dtype_name: str) -> str:
@@ -238,19 +257,49 @@ def prefill_shared_mem_bytes(head_dim: int) -> int:
     return 4 * ((PREFILL_ROWS + 2 * PREFILL_KEYS) * row_floats + PREFILL_ROWS * PREFILL_PROB_STRIDE)
 
 
+def prefill_uses_tensor_cores(dtype_name: str, head_dim: int) -> bool:
+    """fp16 / bf16 with head_dim % 16 == 0 run on tensor cores; the rest on CUDA cores (fp32)."""
+    return dtype_name in TENSOR_CORE_DTYPES and head_dim % 16 == 0
+
+
+def prefill_tc_shared_mem_bytes(head_dim: int) -> int:
+    """16-bit Q [rows][d+pad] and K [keys][d+pad], transposed V [d][keys+pad]."""
+    row = head_dim + PREFILL_TC_PAD
+    return 2 * (
+        (PREFILL_TC_ROWS + PREFILL_TC_KEYS) * row + head_dim * (PREFILL_TC_KEYS + PREFILL_TC_PAD)
+    )
+
+
 def prefill_launch(
-    num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int
+    num_reqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_query_len: int,
+    dtype_name: str = "float32",
 ) -> PrefillLaunch:
     """Grid x = query tile, y = request, z = kv_head; tiles past a request's q_len exit at once."""
     check_head_dim(head_dim)
     check_num_reqs(num_reqs)
     group_size = check_heads(num_heads, num_kv_heads)
     tokens_per_tile = prefill_tokens_per_tile(group_size)
+    grid = (ceil_div(max_query_len, tokens_per_tile), num_reqs, num_kv_heads)
+    if prefill_uses_tensor_cores(dtype_name, head_dim):
+        return PrefillLaunch(
+            grid=grid,
+            block=(PREFILL_TC_THREADS, 1, 1),
+            shared_mem_bytes=prefill_tc_shared_mem_bytes(head_dim),
+            tokens_per_tile=tokens_per_tile,
+            source_name="prefill_attention_tc.cu",
+            kernel_name=prefill_tc_kernel_name(dtype_name, head_dim),
+        )
     return PrefillLaunch(
-        grid=(ceil_div(max_query_len, tokens_per_tile), num_reqs, num_kv_heads),
+        grid=grid,
         block=(PREFILL_THREADS, 1, 1),
         shared_mem_bytes=prefill_shared_mem_bytes(head_dim),
         tokens_per_tile=tokens_per_tile,
+        source_name="prefill_attention.cu",
+        kernel_name=prefill_kernel_name(dtype_name, head_dim),
     )
 
 

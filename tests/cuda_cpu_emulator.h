@@ -73,6 +73,8 @@ struct Block {
   std::vector<int> warp_arrived;
   std::vector<long> warp_generation;
   std::vector<unsigned long long> shuffle_slots;
+  std::vector<unsigned int> mma_a;  // 4 registers per thread
+  std::vector<unsigned int> mma_b;  // 2 registers per thread
   void (*body)(void*) = nullptr;
   void* body_arg = nullptr;
 };
@@ -160,6 +162,8 @@ inline void run_grid(dim3 grid, dim3 block_dim, void (*body)(void*), void* arg) 
         block.warp_arrived.assign((num_threads + 31) / 32, 0);
         block.warp_generation.assign((num_threads + 31) / 32, 0);
         block.shuffle_slots.assign(num_threads, 0);
+        block.mma_a.assign(static_cast<size_t>(num_threads) * 4, 0u);
+        block.mma_b.assign(static_cast<size_t>(num_threads) * 2, 0u);
         block.body = body;
         block.body_arg = arg;
         g_block = &block;

@@ -28,6 +28,7 @@ import numpy as np
 from kernels.module_loader import KERNEL_DIR, load_source
 
 HEADER = Path(__file__).resolve().with_name("cuda_cpu_emulator.h")
+TAIL_HEADER = Path(__file__).resolve().with_name("cuda_cpu_emulator_tail.h")
 SHARED_MEM_BYTES = 256 * 1024
 COMPILE_FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-w")
 _SHARED_DECL = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]")
@@ -44,15 +45,17 @@ def cache_dir() -> Path:
 
 
 def translation_unit(source_name: str, name_expression: str, source_dir: Path = KERNEL_DIR) -> str:
-    """Host C++ for one kernel instance: emulator header, kernel source, shared arrays, entry."""
+    """Host C++ for one kernel instance: emulator headers, kernel source, shared arrays, entry."""
     source = load_source(source_name, source_dir)
     shared = {name: type_name for type_name, name in _SHARED_DECL.findall(source)}
+    # The tail emulates instructions (MMA) declared by cuda_common.cuh, so only its users get it.
+    tail = f'#include "{TAIL_HEADER}"\n' if "host_mma_m16n8k16" in source else ""
     shared_defs = "".join(
         f"alignas(16) {type_name} {name}[{SHARED_MEM_BYTES} / sizeof({type_name})];\n"
         for name, type_name in sorted(shared.items())
     )
     return (
-        f'#include "{HEADER}"\n{source}\n{shared_defs}'
+        f'#include "{HEADER}"\n{source}\n{tail}{shared_defs}'
         'extern "C" void emu_launch(const unsigned int* grid, const unsigned int* block, '
         "void** args) {\n"
         f"  emu::launch(&{name_expression}, grid, block, args);\n}}\n"
@@ -62,8 +65,12 @@ def translation_unit(source_name: str, name_expression: str, source_dir: Path = 
 
 
 def build_library(text: str) -> Path:
-    """Compiles `text` to a shared library once (cached by content) and returns its path."""
-    digest = hashlib.sha256((text + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:20]
+    """Compiles `text` to a shared library once and returns its path.
+
+    Cached by the text, the emulator headers' contents and the flags.
+    """
+    key = text + HEADER.read_text() + TAIL_HEADER.read_text() + " ".join(COMPILE_FLAGS)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     target = cache_dir() / f"kernel-{digest}.so"
     if target.is_file():
         return target

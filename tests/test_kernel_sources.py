@@ -39,6 +39,9 @@ NAME_EXPRESSIONS = {
     "decode_attention.cu": [lc.decode_kernel_name(*c) for c in DECODE_CONFIGS],
     "prefill_attention.cu": [lc.prefill_kernel_name(d, hd) for d in DTYPES for hd in (64, 128, 256)]
     + [lc.prefill_kernel_name("float16", 80)],
+    "prefill_attention_tc.cu": [
+        lc.prefill_tc_kernel_name(d, hd) for d in lc.TENSOR_CORE_DTYPES for hd in (64, 80, 128, 256)
+    ],
     "merge_attention_states.cu": [lc.merge_kernel_name(d) for d in DTYPES],
     "reshape_and_cache.cu": [lc.CACHE_WRITE_KERNEL_NAME],
 }
@@ -90,6 +93,10 @@ def test_loader_reports_a_missing_header(tmp_path):
         ("prefill_attention.cu", "kPrefillRows", lc.PREFILL_ROWS),
         ("prefill_attention.cu", "kPrefillKeys", lc.PREFILL_KEYS),
         ("prefill_attention.cu", "kPrefillRowPad", lc.PREFILL_ROW_PAD),
+        ("prefill_attention_tc.cu", "kTcThreads", lc.PREFILL_TC_THREADS),
+        ("prefill_attention_tc.cu", "kTcRows", lc.PREFILL_TC_ROWS),
+        ("prefill_attention_tc.cu", "kTcKeys", lc.PREFILL_TC_KEYS),
+        ("prefill_attention_tc.cu", "kTcPad", lc.PREFILL_TC_PAD),
     ],
 )
 def test_python_launch_constants_match_the_kernels(source, constant, value):

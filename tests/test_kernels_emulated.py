@@ -65,6 +65,22 @@ def test_decode_batch_runs_only_the_decode_kernel(loader):
     assert launched(loader) == {"reshape_and_cache", "decode_attention<float, 64, 2>"}
 
 
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "prefill_kernel"),
+    [
+        (torch.bfloat16, 64, "prefill_attention_tc<bf16_t, 64>"),
+        (torch.float16, 32, "prefill_attention_tc<half_t, 32>"),
+        (torch.bfloat16, 24, "prefill_attention<bf16_t, 24>"),
+        (torch.float32, 64, "prefill_attention<float, 64>"),
+    ],
+)
+def test_prefill_kernel_choice(loader, dtype, head_dim, prefill_kernel):
+    """Tensor cores for fp16/bf16 with head_dim % 16 == 0: several query tiles and key tiles."""
+    case = make_case([150, 70, 9], [150, 20, 9], 8, 2, head_dim, dtype=dtype)
+    assert_close_to_reference(case, attend(case))
+    assert prefill_kernel in launched(loader)
+
+
 def test_mixed_batch_runs_prefill_and_decode_kernels(loader):
     case = make_case([3, 40], [3, 1], 4, 2, 64)
     assert_close_to_reference(case, attend(case))
@@ -78,7 +94,7 @@ def test_gqa_groups(loader, group_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("head_dim", [24, 64, 80, 128, 256])
 def test_head_dims_and_dtypes(loader, head_dim, dtype):
     case = make_case([20, 37, 5], [20, 1, 2], 4, 2, head_dim, dtype=dtype, seed=head_dim)
     out = attend(case)

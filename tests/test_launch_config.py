@@ -97,6 +97,36 @@ def test_prefill_launch_grid():
     assert launch.block == (lc.PREFILL_THREADS, 1, 1)
 
 
+@pytest.mark.parametrize(
+    ("dtype_name", "head_dim", "tensor_cores"),
+    [
+        ("bfloat16", 128, True),
+        ("float16", 64, True),
+        ("bfloat16", 80, True),
+        ("bfloat16", 24, False),  # not a whole number of 16-wide MMA steps
+        ("float32", 128, False),
+    ],
+)
+def test_prefill_picks_tensor_cores_for_half_types(dtype_name, head_dim, tensor_cores):
+    launch = lc.prefill_launch(2, 32, 8, head_dim, 300, dtype_name)
+    assert launch.uses_tensor_cores is tensor_cores
+    if tensor_cores:
+        assert launch.source_name == "prefill_attention_tc.cu"
+        assert launch.kernel_name == lc.prefill_tc_kernel_name(dtype_name, head_dim)
+        assert launch.block == (lc.PREFILL_TC_THREADS, 1, 1)
+        assert launch.shared_mem_bytes == lc.prefill_tc_shared_mem_bytes(head_dim)
+    else:
+        assert launch.source_name == "prefill_attention.cu"
+        assert launch.kernel_name == lc.prefill_kernel_name(dtype_name, head_dim)
+    assert launch.grid == (lc.ceil_div(300, 16), 2, 8)
+
+
+def test_tensor_core_prefill_shared_memory():
+    assert lc.prefill_tc_shared_mem_bytes(128) == 2 * (128 * 136 + 128 * 72)
+    assert lc.prefill_tc_shared_mem_bytes(64) <= lc.DEFAULT_SHARED_MEM_BYTES
+    assert lc.prefill_tc_shared_mem_bytes(256) <= 227 * 1024
+
+
 def test_prefill_shared_memory():
     assert lc.prefill_shared_mem_bytes(64) == 4 * (128 * 68 + 64 * 33)
     assert lc.prefill_shared_mem_bytes(128) > lc.DEFAULT_SHARED_MEM_BYTES  # needs the opt-in
