@@ -94,7 +94,7 @@ def test_gqa_groups(loader, group_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [24, 64, 80, 128, 256])
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 80, 128, 256])
 def test_head_dims_and_dtypes(loader, head_dim, dtype):
     case = make_case([20, 37, 5], [20, 1, 2], 4, 2, head_dim, dtype=dtype, seed=head_dim)
     out = attend(case)

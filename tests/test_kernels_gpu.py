@@ -148,15 +148,17 @@ def test_noncontiguous_query_and_foreign_dtype_out():
 
 
 def test_kernels_run_on_torchs_current_stream():
+    """The query is only written on a busy side stream: a launch on any other stream reads NaN."""
     case = make_case([40, 900], [40, 1], 8, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    query = torch.full_like(case.query, float("nan"))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)  # a busy stream: work on another stream would overtake it
+        torch.cuda._sleep(50_000_000)
+        query.copy_(case.query)
         out = write_kv_and_attend(
-            case.query, case.key, case.value, case.kv_cache, case.metadata, case.scale
-        )
-        out = out.clone()
+            query, case.key, case.value, case.kv_cache, case.metadata, case.scale
+        ).clone()
     side.synchronize()
     assert_close_to_reference(case, out)
 
@@ -196,7 +198,7 @@ def test_warmup_compiles_every_kernel_the_model_needs():
     names = {name for (_, name, _) in loader._kernels}
     assert {
         "reshape_and_cache",
-        "prefill_attention<bf16_t, 64>",
+        "prefill_attention_tc<bf16_t, 64>",
         "decode_attention<bf16_t, 64, 3>",
         "merge_attention_states<bf16_t>",
     } <= names
