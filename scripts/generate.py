@@ -21,13 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.request import Request
 from core.scheduler import Scheduler, SchedulerConfig
+from frontend.tokenizer import Tokenizer, load_tokenizer
 from proto import ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+from proto.engine_config import EngineConfig
 from proto.model_files import resolve_model_path
+from worker.worker import Worker
 
 
 class Executor(Protocol):
@@ -117,12 +122,8 @@ def make_requests(
     eos_token_id = eos_token_ids[0] if eos_token_ids else None
     if len(eos_token_ids) > 1 and not sampling_params.ignore_eos:
         extra_stops = [t for t in eos_token_ids[1:] if t not in sampling_params.stop_token_ids]
-        sampling_params = SamplingParams(
-            **{
-                **_params_dict(sampling_params),
-                "stop_token_ids": [*sampling_params.stop_token_ids, *extra_stops],
-            }
-        )
+        stop_token_ids = [*sampling_params.stop_token_ids, *extra_stops]
+        sampling_params = msgspec.structs.replace(sampling_params, stop_token_ids=stop_token_ids)
     return [
         Request(
             str(i), list(ids), sampling_params, eos_token_id=eos_token_id, block_size=block_size
@@ -131,121 +132,95 @@ def make_requests(
     ]
 
 
-def _params_dict(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in params.__struct_fields__}
-
-
 def generate_token_ids(
     prompt_token_ids: Sequence[Sequence[int]],
+    config: EngineConfig | None = None,
     *,
-    worker=None,
-    model: str | None = None,
-    device: str = "auto",
-    dtype: str | None = None,
     sampling_params: SamplingParams | None = None,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
-    max_model_len: int | None = None,
-    num_gpu_blocks_override: int | None = None,
-    enable_prefix_caching: bool = True,
-    block_size: int = 16,
-    seed: int = 0,
+    worker: Worker | None = None,
     eos_token_ids: Sequence[int] | None = None,
 ) -> GenerationOutput:
-    """Runs token-id prompts as one workload. Pass a loaded `worker` to reuse its model (its
-    KV cache is re-initialised, so earlier state is dropped); else one is built from `model`.
-
-    The scheduler's limits may be smaller than the worker's (`max_num_seqs`,
-    `max_num_batched_tokens`, `max_model_len`), never larger. `eos_token_ids` default to the
-    model's; any of them stops a request unless `ignore_eos`.
+    """Runs token-id prompts as one workload under `config` (model, device, token budget, KV
+    pool, prefix caching). Pass a loaded `worker` to reuse its model: its KV cache is
+    re-initialised, so earlier state is dropped, and config's limits (`max_num_seqs`,
+    `max_num_batched_tokens`, `max_model_len`) must not exceed the worker's.
+    `eos_token_ids` default to the model's; any of them stops a request unless `ignore_eos`.
     """
+    config = config or EngineConfig()
     sampling_params = sampling_params or SamplingParams(temperature=0.0, max_tokens=32)
-    if worker is None:
-        worker = _load_worker(
-            model,
-            device,
-            dtype,
-            block_size,
-            max_model_len,
-            max_num_seqs,
-            max_num_batched_tokens,
-            seed,
-        )
-    config = _scheduler_config(
-        worker,
-        max_num_seqs,
-        max_num_batched_tokens,
-        max_model_len,
-        num_gpu_blocks_override,
-        enable_prefix_caching,
-    )
-    worker.initialize_cache(config.num_gpu_blocks)
+    worker = worker or load_worker(config)
+    scheduler_config = make_scheduler_config(config, worker)
+    worker.initialize_cache(scheduler_config.num_gpu_blocks)
     if eos_token_ids is None:
         eos_token_ids = worker.eos_token_ids
     requests = make_requests(prompt_token_ids, sampling_params, eos_token_ids, worker.block_size)
-    return run_requests(Scheduler(config), worker, requests)
+    return run_requests(Scheduler(scheduler_config), worker, requests)
 
 
-def _load_worker(
-    model, device, dtype, block_size, max_model_len, max_num_seqs, max_num_batched_tokens, seed
-):
-    from worker.worker import Worker
-
+def load_worker(config: EngineConfig) -> Worker:
+    """A single-device Worker with the model of `config` loaded."""
     worker = Worker(
-        model,
-        device=device,
-        dtype=dtype,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        seed=seed,
+        config.model,
+        device=config.device,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        seed=config.seed,
     )
     worker.load_model()
     return worker
 
 
-def _scheduler_config(
-    worker,
-    max_num_seqs,
-    max_num_batched_tokens,
-    max_model_len,
-    num_gpu_blocks_override,
-    enable_prefix_caching,
-) -> SchedulerConfig:
+def make_scheduler_config(config: EngineConfig, worker: Worker) -> SchedulerConfig:
+    """The scheduler's limits from `config`, checked against what `worker` was built for; the
+    KV pool is `num_gpu_blocks_override` or what the worker measures."""
+    max_model_len = config.max_model_len or worker.max_model_len
     for name, value, limit in (
-        ("max_num_seqs", max_num_seqs, worker.max_num_seqs),
-        ("max_num_batched_tokens", max_num_batched_tokens, worker.max_num_batched_tokens),
-        ("max_model_len", max_model_len or worker.max_model_len, worker.max_model_len),
+        ("max_num_seqs", config.max_num_seqs, worker.max_num_seqs),
+        ("max_num_batched_tokens", config.max_num_batched_tokens, worker.max_num_batched_tokens),
+        ("max_model_len", max_model_len, worker.max_model_len),
     ):
         if value > limit:
             raise ValueError(f"{name}={value} exceeds the worker's {name}={limit}")
-    if num_gpu_blocks_override is not None:
-        num_gpu_blocks = num_gpu_blocks_override
-    else:
-        num_gpu_blocks = worker.determine_num_available_blocks()
+    if config.block_size != worker.block_size:
+        raise ValueError(
+            f"block_size={config.block_size} differs from the worker's {worker.block_size}"
+        )
+    num_gpu_blocks = config.num_gpu_blocks_override or worker.determine_num_available_blocks()
     return SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len or worker.max_model_len,
-        block_size=worker.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
         num_gpu_blocks=num_gpu_blocks,
-        enable_prefix_caching=enable_prefix_caching,
+        enable_prefix_caching=config.enable_prefix_caching,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        policy=config.policy,
     )
 
 
 def generate(
-    prompts: Sequence[str], *, model: str | None = None, worker=None, tokenizer=None, **kwargs
+    prompts: Sequence[str],
+    config: EngineConfig | None = None,
+    *,
+    sampling_params: SamplingParams | None = None,
+    worker: Worker | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> GenerationOutput:
     """Text prompts in, text out: tokenizes with the model's tokenizer (no chat template),
-    runs `generate_token_ids(..., **kwargs)`, decodes each result's tokens into `text`."""
-    from frontend.tokenizer import load_tokenizer
-
-    if tokenizer is None:
-        tokenizer = load_tokenizer(resolve_model_path(model))
-    prompt_token_ids = [tokenizer.encode(prompt) for prompt in prompts]
-    kwargs.setdefault("eos_token_ids", tokenizer.eos_token_ids)
-    output = generate_token_ids(prompt_token_ids, worker=worker, model=model, **kwargs)
+    runs `generate_token_ids` (stopping on the tokenizer's eos ids), decodes into `text`."""
+    config = config or EngineConfig()
+    tokenizer = tokenizer or load_tokenizer(resolve_model_path(config.model))
+    output = generate_token_ids(
+        [tokenizer.encode(prompt) for prompt in prompts],
+        config,
+        sampling_params=sampling_params,
+        worker=worker,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
     for result in output.results:
         result.text = tokenizer.decode(result.token_ids)
     return output
@@ -259,18 +234,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    output = generate(
-        args.prompts,
+    config = EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
-        sampling_params=sampling_params,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,
     )
+    output = generate(args.prompts, config, sampling_params=sampling_params)
     for prompt, result in zip(args.prompts, output.results, strict=True):
         print(
             json.dumps(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from proto import SamplingParams
+from proto.engine_config import EngineConfig
 from scripts.generate import GenerationOutput, generate_token_ids
 from tests.model_fixtures import converted_default_model_folder
 from worker.worker import Worker
@@ -56,7 +57,6 @@ def expected_token_ids(hf_folder, prompt_token_ids) -> list[list[int]]:
     """transformers' greedy continuation of each prompt alone (no padding, eos ignored)."""
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(str(hf_folder), dtype=torch.float32).eval()
     return [hf_greedy(model, ids, NUM_NEW_TOKENS) for ids in prompt_token_ids]
 
@@ -76,24 +76,27 @@ def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
     return generated
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads that wait on each other
+    run tens of times slower than one, and this module is the suite's heaviest."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def worker() -> Worker:
-    torch.set_num_threads(2)
     w = Worker(None, device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
     w.load_model()
     return w
 
 
-def run(worker, prompt_token_ids, **kwargs) -> GenerationOutput:
+def run(worker, prompt_token_ids, **options) -> GenerationOutput:
+    config = EngineConfig(device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, **options)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    return generate_token_ids(
-        prompt_token_ids,
-        worker=worker,
-        sampling_params=params,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=16,
-        **kwargs,
-    )
+    return generate_token_ids(prompt_token_ids, config, sampling_params=params, worker=worker)
 
 
 def assert_same_tokens(output: GenerationOutput, expected: list[list[int]]) -> None:

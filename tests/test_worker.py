@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 import worker.model_loader
 from frontend.tokenizer import load_tokenizer
 from proto import SamplingParams
+from proto.engine_config import EngineConfig
 from scripts.generate import generate_token_ids, main
 from tests.model_fixtures import build_tiny_model_folder
 from tests.test_generation_parity import hf_greedy
@@ -105,9 +106,8 @@ def test_lifecycle_sizes_cache_and_generates(tiny_loader, tmp_path):
     assert [tuple(c.shape) for c in w.kv_caches] == [(2, 40, 4, 2, 8)] * 2
     prompts = [[1, 2, 4, 5, 6], [8, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    output = generate_token_ids(
-        prompts, worker=w, sampling_params=params, num_gpu_blocks_override=40
-    )
+    config = EngineConfig(device="cpu", block_size=4, max_model_len=64, num_gpu_blocks_override=40)
+    output = generate_token_ids(prompts, config, sampling_params=params, worker=w)
     model = TinyCausalLM()
     assert [r.token_ids for r in output.results] == [model.dense_greedy(p, 6) for p in prompts]
 
