@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput
 from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from worker.model_runner import ModelRunner
@@ -88,6 +89,8 @@ class Worker:
         )
         self._max_model_len = self._resolve_max_model_len()
         self.model_runner = self._new_model_runner()
+        if self.device.type == "cuda":
+            self._warm_up_attention_kernels()
 
     @property
     def max_model_len(self) -> int:
@@ -165,6 +168,18 @@ class Worker:
         scratch = self._allocate_kv_caches(num_blocks)
         self.model_runner.dummy_forward(num_tokens, scratch)
         del scratch
+
+    def _warm_up_attention_kernels(self) -> None:
+        """Compiles every attention kernel configuration now, so no request pays for NVRTC."""
+        config = self.model_config
+        warmup(
+            self.device,
+            self.dtype,
+            num_heads=config.num_attention_heads // self.world_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=config.head_dim,
+            block_size=self.block_size,
+        )
 
     def _new_model_runner(self) -> ModelRunner:
         return ModelRunner(
