@@ -164,29 +164,48 @@ def test_kernels_run_on_torchs_current_stream():
 
 
 def test_cuda_graph_capture_and_replay():
-    """Capture cache write + attention once, then replay it on new q/k/v written in place."""
-    first = make_case(
-        [50, 700, 9], [1, 1, 1], 8, 2, 128, dtype=torch.bfloat16, device=DEVICE, seed=1
+    """Capture cache write + attention once, then replay it on new inputs copied in place."""
+    lens = dict(seq_lens=[50, 700, 9], q_lens=[1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=128)
+    cases = [make_case(**lens, dtype=torch.bfloat16, device=DEVICE, seed=s) for s in (1, 2)]
+    first = cases[0]
+    static = {
+        "query": first.query.clone(),
+        "key": first.key.clone(),
+        "value": first.value.clone(),
+        "kv_cache": first.kv_cache.clone(),
+    }
+    metadata = type(first.metadata)(
+        slot_mapping=first.metadata.slot_mapping.clone(),
+        block_table=first.metadata.block_table.clone(),
+        seq_lens=first.metadata.seq_lens.clone(),
+        query_start_loc=first.metadata.query_start_loc.clone(),
+        max_query_len=first.metadata.max_query_len,
+        max_seq_len=first.metadata.max_seq_len,
     )
-    second = make_case(
-        [50, 700, 9], [1, 1, 1], 8, 2, 128, dtype=torch.bfloat16, device=DEVICE, seed=2
-    )
-    query, key, value = first.query.clone(), first.key.clone(), first.value.clone()
-    kv_cache = first.kv_cache.clone()
-    args = (query, key, value, kv_cache, first.metadata, first.scale)
+
+    def step() -> torch.Tensor:
+        return write_kv_and_attend(
+            static["query"],
+            static["key"],
+            static["value"],
+            static["kv_cache"],
+            metadata,
+            first.scale,
+        )
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        write_kv_and_attend(*args)  # compile and warm up outside the capture
+        step()  # compile and warm up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = write_kv_and_attend(*args)
-    for case in (first, second):
-        query.copy_(case.query)
-        key.copy_(case.key)
-        value.copy_(case.value)
-        kv_cache.copy_(case.kv_cache)
+        out = step()
+    for case in cases:
+        for name in static:
+            static[name].copy_(getattr(case, name))
+        metadata.slot_mapping.copy_(case.metadata.slot_mapping)
+        metadata.block_table.copy_(case.metadata.block_table)
         graph.replay()
         torch.cuda.synchronize()
         assert_close_to_reference(case, out)
