@@ -39,6 +39,9 @@ from proto.engine_config import EngineConfig
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
+# When one rank of a tensor-parallel group dies, the others fail in their next collective within
+# milliseconds and report that; this long a reported error waits for the rank that really died.
+PEER_DEATH_GRACE_S = 0.5
 
 
 class WorkerFailedError(RuntimeError):
@@ -120,12 +123,32 @@ class Executor:
         while self._output_socket.poll(0):
             message = self._receive()
             if isinstance(message, WorkerError):
-                raise WorkerFailedError(_describe_worker_error(message))
-        worker = dead[0]
-        raise WorkerFailedError(
-            f"worker rank {worker.rank} (pid {worker.process.pid}) died "
-            f"({describe_exit(worker.process.returncode)})"
-        )
+                raise self._worker_failed(message)
+        raise WorkerFailedError(_describe_death(dead[0]))
+
+    def _worker_failed(self, error: WorkerError) -> WorkerFailedError:
+        """`error`, preceded by every other rank that a signal ended (kill -9, the OOM killer, a
+        crash): such a rank is the cause, and the surviving ranks' failed collectives
+        ("Connection reset by peer") are symptoms."""
+        wait_s = PEER_DEATH_GRACE_S if len(self.workers) > 1 else 0.0
+        causes = [_describe_death(w) for w in self._killed_workers(error.rank, wait_s)]
+        return WorkerFailedError("; ".join([*causes, _describe_worker_error(error)]))
+
+    def _killed_workers(self, other_than_rank: int, wait_s: float) -> list[WorkerProcess]:
+        """Workers other than `other_than_rank` that a signal ended, waiting up to `wait_s` for
+        the first one."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            killed = [
+                w
+                for w in self.workers
+                if w.rank != other_than_rank
+                and w.process.poll() is not None
+                and w.process.returncode < 0
+            ]
+            if killed or time.monotonic() >= deadline:
+                return killed
+            time.sleep(POLL_INTERVAL_S / 10)
 
     def _broadcast(self, message: msgspec.Struct, timeout_s: float) -> None:
         """Sends `message` to every rank; waits (bounded, watching liveness) for a rank whose
@@ -163,7 +186,7 @@ class Executor:
             if self._output_socket.poll(min(remaining_s, POLL_INTERVAL_S) * 1000):
                 message = self._receive()
                 if isinstance(message, WorkerError):
-                    raise WorkerFailedError(_describe_worker_error(message))
+                    raise self._worker_failed(message)
                 if not isinstance(message, expected):
                     raise WorkerFailedError(
                         f"expected {expected.__name__} during {what}, got {type(message).__name__}"
@@ -206,6 +229,13 @@ class Executor:
 
 def _describe_worker_error(error: WorkerError) -> str:
     return f"worker rank {error.rank} failed: {error.message}"
+
+
+def _describe_death(worker: WorkerProcess) -> str:
+    return (
+        f"worker rank {worker.rank} (pid {worker.process.pid}) died "
+        f"({describe_exit(worker.process.returncode)})"
+    )
 
 
 def _find_free_port() -> int:
