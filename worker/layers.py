@@ -5,7 +5,7 @@ ranks, row-parallel layers split their input features and all-reduce the partial
 embedding and LM head split the vocabulary. Every parameter carries a `weight_loader` that
 takes the FULL checkpoint tensor and copies in this rank's slice, so loaders never know about
 ranks. With `tp_size == 1` the collectives are no-ops; with more they use the default
-torch.distributed process group (tested with gloo at tp_size 2).
+torch.distributed process group that `worker.parallel_state.init_distributed` joined.
 
 Numerics follow transformers' Llama exactly (norm in float32, RoPE angles in float32, same
 operation order), so logits match it to float32 rounding.
@@ -19,28 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_all_reduce
+
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     """numerator / denominator, or ValueError naming `what` when it does not split evenly."""
     if numerator % denominator != 0:
         raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
     return numerator // denominator
-
-
-def tensor_parallel_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sums `x` over the tensor-parallel ranks in place; identity when tp_size == 1."""
-    if tp_size > 1:
-        torch.distributed.all_reduce(x)
-    return x
-
-
-def tensor_parallel_all_gather(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Concatenates every rank's `x` along the last dim (rank order); identity when tp_size == 1."""
-    if tp_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
