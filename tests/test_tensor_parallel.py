@@ -38,12 +38,17 @@ from tests.model_fixtures import (
     write_byte_level_tokenizer,
 )
 from tests.test_engine_processes import child_pids, is_alive
-from worker.memory_profiler import KV_CACHE_MEMORY_BYTES_ENV
+from worker.memory_profiler import KV_CACHE_MEMORY_BYTES_ENV, kv_cache_memory_bytes_from_env
 from worker.model_loader import load_model
 from worker.models import LlamaForCausalLM
-from worker.parallel_state import destroy_distributed, init_distributed
+from worker.parallel_state import (
+    check_gpu_count,
+    destroy_distributed,
+    init_distributed,
+    share_cpu_threads,
+)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -105,6 +110,43 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# ---- process-group set-up and per-rank knobs ------------------------------------------------
+
+
+def test_cuda_ranks_need_one_gpu_each(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    check_gpu_count(1)
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 needs one GPU per rank, but torch sees 1 "
+        r"\(CUDA_VISIBLE_DEVICES=3\); lower tensor_parallel_size to at most 1",
+    ):
+        check_gpu_count(2)
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert share_cpu_threads(3) == 2 == torch.get_num_threads()
+    assert share_cpu_threads(16) == 1 == torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert share_cpu_threads(2) == torch.get_num_threads() == 1  # the user's choice stands
+
+
+def test_kv_cache_budget_from_the_environment_is_per_rank(monkeypatch):
+    monkeypatch.delenv(KV_CACHE_MEMORY_BYTES_ENV, raising=False)
+    assert kv_cache_memory_bytes_from_env(0, 2) is None
+    monkeypatch.setenv(KV_CACHE_MEMORY_BYTES_ENV, "4096")
+    assert [kv_cache_memory_bytes_from_env(r, 2) for r in range(2)] == [4096, 4096]
+    monkeypatch.setenv(KV_CACHE_MEMORY_BYTES_ENV, "4096, 1024")
+    assert [kv_cache_memory_bytes_from_env(r, 2) for r in range(2)] == [4096, 1024]
+    for bad in ("1,2,3", "-5", "lots"):
+        monkeypatch.setenv(KV_CACHE_MEMORY_BYTES_ENV, bad)
+        with pytest.raises(ValueError, match=rf"={bad!r} must be one byte count or 2"):
+            kv_cache_memory_bytes_from_env(0, 2)
+
+
 # ---- logits of spawned ranks -----------------------------------------------------------------
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(30, 49)), [100, 3, 250, 17, 17, 17, 64, 9]]
@@ -161,6 +203,7 @@ def run_ranks(folder: Path, world_size: int, out_dir: Path) -> list[dict]:
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world_size)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "kv_heads_per_rank", "config_kwargs"),
     [
@@ -211,6 +254,7 @@ def test_head_counts_that_cannot_be_split_are_rejected_with_the_numbers(llama_8_
         LlamaForCausalLM(twelve_heads, tp_rank=0, tp_size=6)
 
 
+@pytest.mark.slow
 def test_an_engine_whose_heads_cannot_be_split_fails_to_start_and_says_why(llama_8_heads):
     with pytest.raises(
         EngineDeadError, match=r"num_attention_heads=8 is not divisible by tp_size=3"
@@ -256,14 +300,21 @@ async def running_engine(config: EngineConfig, env: dict[str, str] | None = None
         client = AsyncCoreClient(config)
         await client.start()
     pids = [client.core_pid, *child_pids(client.core_pid)]
+    ipc_dir = Path(client.address.removeprefix("ipc://")).parent
     try:
         yield client, pids
     finally:
         await client.shutdown()
-        deadline = time.monotonic() + 10
-        while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert [pid for pid in pids if is_alive(pid)] == []
+        assert await still_alive_after(pids, timeout_s=10) == []
+        assert not ipc_dir.exists()
+
+
+async def still_alive_after(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids still running once all have exited or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return [pid for pid in pids if is_alive(pid)]
 
 
 def worker_pid(core_pid: int, rank: int) -> int:
@@ -287,6 +338,7 @@ async def final_output(queue: asyncio.Queue) -> tuple[list[int], EngineCoreOutpu
             return token_ids, item
 
 
+@pytest.mark.slow
 def test_two_ranks_size_the_kv_cache_to_the_smallest_rank_and_decode_like_one_device(
     llama_8_heads,
 ):
@@ -344,6 +396,7 @@ SMOLLM2_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_three_ranks_of_the_default_smollm2_decode_like_one_device():
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     # 9 query heads and 3 KV heads: 3 and 1 per rank.
@@ -377,6 +430,7 @@ def test_three_ranks_of_the_default_smollm2_decode_like_one_device():
 # ---- failure ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kill_9_of_one_rank_fails_every_in_flight_request_and_leaves_no_process(llama_8_heads):
     # Up to 500 tokens each: nothing finishes before the kill.
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
@@ -405,10 +459,8 @@ def test_kill_9_of_one_rank_fails_every_in_flight_request_and_leaves_no_process(
                 assert output.finish_reason == FinishReason.ERROR
                 # The killed rank is named as the cause, before rank 0's failed collective.
                 assert f"worker rank 1 (pid {rank_1_pid}) died (signal SIGKILL)" in output.error
-            deadline = time.monotonic() + 20
-            while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert [pid for pid in pids if is_alive(pid)] == []
+            # The core fails, stops the surviving rank and exits, all by itself.
+            assert await still_alive_after(pids, timeout_s=20) == []
             assert client.is_dead
 
     with event_loop() as loop:
