@@ -73,13 +73,19 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
 
-def make_request(core_request: EngineCoreRequest, block_size: int) -> Request:
+def make_request(core_request: EngineCoreRequest, block_size: int, vocab_size: int) -> Request:
     """The scheduler's `Request` for a wire request; hashes its full prompt blocks (slow part).
 
-    Raises ValueError for a negative token id (the frontend never makes one; a raw client might).
+    Raises ValueError for a token id outside [0, vocab_size) (the frontend never makes one; a
+    raw client might, and the model would fail on it).
     """
-    if core_request.prompt_token_ids and min(core_request.prompt_token_ids) < 0:
-        raise ValueError(f"prompt token ids must be >= 0, got {min(core_request.prompt_token_ids)}")
+    token_ids = core_request.prompt_token_ids
+    if token_ids and min(token_ids) < 0:
+        raise ValueError(f"prompt token ids must be >= 0, got {min(token_ids)}")
+    if token_ids and max(token_ids) >= vocab_size:
+        raise ValueError(
+            f"prompt token id {max(token_ids)} is out of range: the vocabulary has {vocab_size} tokens"
+        )
     return Request(
         request_id=core_request.request_id,
         prompt_token_ids=core_request.prompt_token_ids,

@@ -74,6 +74,7 @@ class EngineCoreProc:
         self.output_thread = _io_thread(self._output_loop, "core-output")
         self.executor: Executor | None = None
         self.engine_core: EngineCore | None = None
+        self.vocab_size = 0  # known once the workers report; requests are read only after that
 
     def run(self) -> int:
         _install_signal_handlers()
@@ -106,6 +107,7 @@ class EngineCoreProc:
             ready.num_gpu_blocks for ready in worker_readies
         )
         max_model_len = min(ready.max_model_len for ready in worker_readies)
+        self.vocab_size = min(ready.vocab_size for ready in worker_readies)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -118,7 +120,7 @@ class EngineCoreProc:
         )
         self.executor.initialize_cache(num_gpu_blocks)
         self.engine_core = EngineCore(Scheduler(scheduler_config), self.executor)
-        return EngineReady(num_gpu_blocks, self.config.block_size, max_model_len)
+        return EngineReady(num_gpu_blocks, self.config.block_size, max_model_len, self.vocab_size)
 
     # ---- main thread: busy loop ------------------------------------------------------------
 
@@ -198,7 +200,7 @@ class EngineCoreProc:
         if not isinstance(message, EngineCoreRequest):
             return message
         try:
-            return make_request(message, self.config.block_size)
+            return make_request(message, self.config.block_size, self.vocab_size)
         except Exception as exc:
             logger.warning("rejected request %r: %s", message.request_id, exc)
             self._send_error(message.request_id, f"invalid request: {exc}")

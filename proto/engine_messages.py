@@ -112,6 +112,7 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     num_gpu_blocks: int
     block_size: int
     max_model_len: int
+    vocab_size: int
 
 
 class UtilityResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

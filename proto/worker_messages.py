@@ -79,6 +79,7 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     num_gpu_blocks: int
     max_model_len: int
     device: str
+    vocab_size: int
 
 
 class InitKVCache(msgspec.Struct, array_like=True, gc=False):

@@ -24,7 +24,9 @@ from proto import (
 )
 from proto.endpoints import frontend_endpoints
 from proto.engine_config import EngineConfig
-from worker.null_worker import NULL_TOKEN_ID, NullWorker
+from worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE, NullWorker
+
+VOCAB_SIZE = NULL_VOCAB_SIZE
 
 BLOCK_SIZE = 4
 
@@ -39,7 +41,7 @@ def make_engine_core(num_gpu_blocks: int = 64, max_model_len: int = 64, **kwargs
 
 def make_core_request(request_id: str, num_prompt_tokens: int, **params) -> Request:
     wire = EngineCoreRequest(request_id, list(range(num_prompt_tokens)), SamplingParams(**params))
-    return make_request(wire, BLOCK_SIZE)
+    return make_request(wire, BLOCK_SIZE, VOCAB_SIZE)
 
 
 def run_to_completion(engine_core: EngineCore, max_steps: int = 1000) -> dict[str, list]:
@@ -200,9 +202,15 @@ def test_engine_core_abort_frees_blocks_and_tells_the_worker():
     assert not engine_core.has_work and engine_core.step() is None
 
 
-def test_make_request_hashes_full_prompt_blocks_and_rejects_negative_token_ids():
+def test_make_request_hashes_full_prompt_blocks_and_rejects_out_of_vocab_token_ids():
     request = make_core_request("a", 9)
     assert len(request.block_hashes) == 9 // BLOCK_SIZE
     wire = EngineCoreRequest("b", [5, -1], SamplingParams())
     with pytest.raises(ValueError, match="prompt token ids must be >= 0, got -1"):
-        make_request(wire, BLOCK_SIZE)
+        make_request(wire, BLOCK_SIZE, VOCAB_SIZE)
+    wire = EngineCoreRequest("c", [5, VOCAB_SIZE], SamplingParams())
+    with pytest.raises(
+        ValueError,
+        match=f"token id {VOCAB_SIZE} is out of range: the vocabulary has {VOCAB_SIZE} tokens",
+    ):
+        make_request(wire, BLOCK_SIZE, VOCAB_SIZE)

@@ -36,7 +36,7 @@ from proto import (
 from proto.codec import TYPE_TO_CODE
 from proto.endpoints import frontend_endpoints
 from proto.engine_config import EngineConfig
-from worker.null_worker import NULL_TOKEN_ID
+from worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -139,7 +139,10 @@ def test_requests_round_trip_with_logprobs_and_stop_tokens():
     async def scenario():
         async with running_engine() as (client, pids):
             assert client.ready == EngineReady(
-                num_gpu_blocks=256 * 256 + 1, block_size=16, max_model_len=4096
+                num_gpu_blocks=256 * 256 + 1,
+                block_size=16,
+                max_model_len=4096,
+                vocab_size=NULL_VOCAB_SIZE,
             )
             assert len(pids) == 2  # the core and one worker
             plain = client.add_request(request("plain", max_tokens=5))
@@ -215,6 +218,10 @@ def test_too_long_and_invalid_prompts_come_back_as_errors_and_the_engine_keeps_s
             negative = EngineCoreRequest("negative", [1, -5], SamplingParams())
             outputs = await collect(client.add_request(negative))
             assert outputs[-1].finish_reason == FinishReason.ERROR and "-5" in outputs[-1].error
+            beyond = EngineCoreRequest("beyond", [1, NULL_VOCAB_SIZE], SamplingParams())
+            outputs = await collect(client.add_request(beyond))
+            assert outputs[-1].finish_reason == FinishReason.ERROR
+            assert f"vocabulary has {NULL_VOCAB_SIZE} tokens" in outputs[-1].error
             empty = await collect(client.add_request(request("empty", 0)))
             assert empty[-1].finish_reason == FinishReason.ERROR and "empty" in empty[-1].error
             fine = await collect(client.add_request(request("fine", max_tokens=3)))
@@ -285,7 +292,7 @@ def test_garbage_and_wrongly_typed_frames_are_rejected_and_the_engine_keeps_serv
         frontend.send_frames([b"one frame only"])
         frontend.send_frames([b"\xff", b"unknown type code"])
         frontend.send_frames([request_code, b"\xc1 not msgpack"])
-        frontend.send(EngineReady(1, 2, 3))  # a real message, but not one the core accepts
+        frontend.send(EngineReady(1, 2, 3, 4))  # a real message, but not one the core accepts
         frontend.send_frames([request_code, msgspec.msgpack.encode(["typed", "not a list", {}])])
         bad_params = msgspec.msgpack.encode(["bad-params", [1, 2], {"temperature": -1.0}])
         frontend.send_frames([request_code, bad_params])

@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         worker.load_model()
         num_gpu_blocks = worker.determine_num_available_blocks()
         device = str(getattr(worker, "device", config.device))
-        ready = WorkerReady(args.rank, num_gpu_blocks, worker.max_model_len, device)
+        ready = WorkerReady(
+            args.rank, num_gpu_blocks, worker.max_model_len, device, worker.vocab_size
+        )
         output_socket.send_multipart(encoder.encode(ready))
         _serve(worker, args.rank, config, input_socket, output_socket, encoder)
         _leave_process_group(config, args.world_size)

@@ -100,6 +100,12 @@ class Worker:
         return self._max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        if self.model_config is None:
+            raise RuntimeError("vocab_size is known only after load_model()")
+        return self.model_config.vocab_size
+
+    @property
     def eos_token_ids(self) -> list[int]:
         if self.model_config is None:
             raise RuntimeError("eos_token_ids are known only after load_model()")
