@@ -1,0 +1,360 @@
+"""What every benchmark script shares: result files, machine facts, seeded workloads, statistics,
+and a `core-serve` process to measure over HTTP.
+
+Contract for results: each benchmark writes `<name>.json` (everything measured, the machine, the
+conditions) and `<name>.md` (a markdown table plus the ratios against its in-run baseline) under
+`benchmarks/results/`; `--quick` runs write `<name>_quick.*` so they never overwrite a full run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+PERCENTILES = (50, 90, 99)
+SERVER_STARTUP_TIMEOUT_S = 600.0
+SERVER_POLL_INTERVAL_S = 0.25
+
+# A fixed vocabulary for synthetic prompts: common English words, so that a real tokenizer
+# produces ordinary token counts (about 1.3 tokens per word for SmolLM2).
+WORDS = tuple(
+    """
+    the of and to in is was for that with as on by at from his her they which this be are
+    had not but have one all were when there an their we been has who more will if would so
+    its into than other some could time these two may then do first any my now such like our
+    over man me even most made after also did many before must through back years where much
+    your way well down should because each just those people how too little state good very
+    make world still own see men work long get here between both life being under never day
+    same another know while last might us great old year off come since against go came right
+    used take three states himself few house use during without again place american around
+    however home small found thought went say part once general high upon school every does
+    got united left number course war until always away something fact though water less
+    public put think almost hand enough far took head yet government system better set told
+    nothing night end why called didnt eyes find going look asked later knew point next city
+    business give group toward young days let room president side social given present order
+    national rather second face per among form important often things looked early white case
+    john become large big need four within felt along children saw best church ever least power
+    development light thing seemed family interest want members others mind country area
+    """.split()  # noqa: SIM905 (a word list reads better as text)
+)
+
+
+# ---- machine and result files ------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    """The facts needed to read a figure: CPU, cores, load, memory, versions, commit, time."""
+    info = {
+        "machine": platform.machine(),
+        "processor": _cpu_model_name(),
+        "num_cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "memory_gib": _memory_gib(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": _git_commit(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    with contextlib.suppress(ImportError):
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_num_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def machine_line(info: dict) -> str:
+    """One markdown line describing the machine a result came from."""
+    text = (
+        f"Machine: {info['processor']} ({info['num_cpus']} CPUs, {info['memory_gib']:.0f} GiB), "
+        f"load average {info['load_average_1m']:.1f} at start, Python {info['python']}"
+    )
+    if "torch" in info:
+        text += f", torch {info['torch']}"
+    if "cuda_device" in info:
+        text += f", GPU {info['cuda_device']}"
+    return text + f", commit {info['git_commit']}, {info['date_utc']}."
+
+
+def result_name(name: str, quick: bool) -> str:
+    return f"{name}_quick" if quick else name
+
+
+def write_results(result: dict, markdown: str, output_dir: Path, name: str) -> Path:
+    """Writes `<name>.json` and `<name>.md` (the markdown plus the machine line); returns the
+    JSON path."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path = output_dir / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    machine = result.get("machine")
+    footer = f"\n{machine_line(machine)}\n" if isinstance(machine, dict) else ""
+    (output_dir / f"{name}.md").write_text(markdown.rstrip("\n") + "\n" + footer)
+    return json_path
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table; the first column left-aligned, the others right-aligned."""
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|",
+    ]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cpu_model_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def _git_commit() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        completed = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if completed.returncode == 0:
+            return completed.stdout.strip()
+    return "unknown"
+
+
+# ---- statistics --------------------------------------------------------------------------------
+
+
+def percentiles(values: Sequence[float], points: Sequence[int] = PERCENTILES) -> dict[str, float]:
+    """{"p50": ..., "p90": ..., "p99": ...} by linear interpolation; NaN for no values."""
+    if not values:
+        return {f"p{point}": float("nan") for point in points}
+    ordered = sorted(values)
+    result = {}
+    for point in points:
+        rank = (len(ordered) - 1) * point / 100
+        low = int(rank)
+        high = min(low + 1, len(ordered) - 1)
+        result[f"p{point}"] = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return result
+
+
+def mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+
+def make_text(rng: random.Random, num_words: int) -> str:
+    """`num_words` words drawn from `WORDS`, a sentence-like string."""
+    return " ".join(rng.choice(WORDS) for _ in range(num_words)).capitalize() + "."
+
+
+@dataclass(slots=True)
+class GenerationWorkload:
+    """Prompts (token ids) with their own output lengths; every request runs to `max_tokens`
+    (ignore_eos), so `num_output_tokens` is exactly the useful work."""
+
+    name: str
+    description: str
+    prompt_token_ids: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(prompt) for prompt in self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def word_prompts(rng: random.Random, num_prompts: int, min_words: int, max_words: int) -> list[str]:
+    return [make_text(rng, rng.randint(min_words, max_words)) for _ in range(num_prompts)]
+
+
+def exact_length_prompt(rng: random.Random, encode, num_tokens: int) -> list[int]:
+    """Token ids of synthetic text, cut to exactly `num_tokens` (text is added until it fits)."""
+    token_ids: list[int] = []
+    while len(token_ids) < num_tokens:
+        token_ids += encode(" " + make_text(rng, 64))
+    return token_ids[:num_tokens]
+
+
+# ---- a core-serve process ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def core_serve(engine_flags: Sequence[str], log_path: Path | None = None) -> Iterator[str]:
+    """Runs `core-serve` on a free local port until the block exits; yields its base URL.
+
+    Waits (bounded by SERVER_STARTUP_TIMEOUT_S) until /health answers 200; raises RuntimeError
+    with the tail of the server's log if it exits or never gets healthy. Always stops it.
+    """
+    import httpx
+
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "frontend.cli",
+        "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
+        *engine_flags,
+    ]  # fmt: skip
+    log_file = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"core-serve {' '.join(engine_flags)} exited with code {process.returncode}"
+                    + _log_tail(log_path)
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"core-serve was not healthy within {SERVER_STARTUP_TIMEOUT_S:.0f} s"
+                    + _log_tail(log_path)
+                )
+            time.sleep(SERVER_POLL_INTERVAL_S)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if log_path:
+            log_file.close()
+
+
+def _log_tail(log_path: Path | None, num_chars: int = 3000) -> str:
+    if log_path is None or not log_path.is_file():
+        return ""
+    return "; server log tail:\n" + log_path.read_text(errors="replace")[-num_chars:]
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """The server's /metrics as {metric name without labels: value} (histograms skipped)."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30.0).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name = name_and_labels.split("{", 1)[0]
+        if not name.endswith(("_bucket", "_sum", "_count")):
+            values[name] = float(value)
+    return values
+
+
+# ---- a streaming OpenAI completions client -----------------------------------------------------
+
+
+@dataclass(slots=True)
+class StreamedCompletion:
+    """Timings of one streamed /v1/completions request (monotonic seconds).
+
+    `chunk_times_s` holds the arrival time of every SSE chunk that carried generated text; the
+    token counts come from the final usage chunk. `error` is None for a request that streamed
+    to `[DONE]` with HTTP 200 and no error event.
+    """
+
+    start_s: float
+    end_s: float = 0.0
+    chunk_times_s: list[float] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_times_s[0] - self.start_s
+
+    @property
+    def inter_chunk_s(self) -> list[float]:
+        times = self.chunk_times_s
+        return [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+
+    @property
+    def latency_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+async def stream_completion(client, url: str, payload: dict) -> StreamedCompletion:
+    """POSTs `payload` with streaming on (usage included) and times every chunk.
+
+    Never raises for a failed request: the failure is recorded in `error`.
+    """
+    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    result = StreamedCompletion(start_s=time.monotonic(), chunk_times_s=[])
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                _handle_sse_line(line, result)
+        if result.error is None and not result.chunk_times_s:
+            result.error = "the stream ended without any generated text"
+    except Exception as exc:  # a benchmark counts failures; it does not stop at the first
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.end_s = time.monotonic()
+    return result
+
+
+def _handle_sse_line(line: str, result: StreamedCompletion) -> None:
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    event = json.loads(line[len("data: ") :])
+    if "error" in event:
+        result.error = str(event["error"].get("message", event["error"]))
+        return
+    if any(choice.get("text") for choice in event.get("choices", ())):
+        result.chunk_times_s.append(time.monotonic())
+    if usage := event.get("usage"):
+        result.num_prompt_tokens = usage["prompt_tokens"]
+        result.num_output_tokens = usage["completion_tokens"]

@@ -1,0 +1,352 @@
+"""The engine's own IPC cost: client -> engine core -> worker -> core -> client, null model.
+
+The null worker returns one token per request and does no work, so what is measured is the
+frontend client, the sockets, the engine core's threads and scheduler, and the core <-> worker
+hop. The floor, measured in the same run: a raw ZeroMQ ping-pong with the same socket types
+(ROUTER -> DEALER, PUSH -> PULL) and the same message sizes, against an echo process.
+
+- round trip: one request in flight at a time, p50/p90/p99 microseconds;
+- throughput: many small requests (8 prompt tokens, max_tokens=1) submitted at once, requests/s
+  (the median of `--repeats` bursts).
+
+Goals: core round trip within 3x of the raw round trip; at least 20,000 requests/s through the
+core. The same figures through `AsyncEngineClient` (tokenizer, output processing) are reported
+for reference.
+
+    python -m scripts.bench_ipc [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from frontend.async_engine_client import AsyncEngineClient
+from frontend.core_client import AsyncCoreClient
+from frontend.engine_client import new_event_loop
+from proto import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    MessageEncoder,
+    SamplingParams,
+)
+from proto.engine_config import EngineConfig
+from scripts.bench_common import (
+    RESULTS_DIR,
+    machine_info,
+    markdown_table,
+    percentiles,
+    result_name,
+    write_results,
+)
+
+PROMPT_LEN = 8
+NULL_TOKEN_ID = 42
+THROUGHPUT_WINDOW = 512  # raw ping-pong: requests in flight (below ZeroMQ's default HWM of 1000)
+TARGET_ROUND_TRIP_RATIO = 3.0
+TARGET_REQUESTS_PER_S = 20_000
+STOP_FRAME = b"stop"
+
+
+def make_request(index: int) -> EngineCoreRequest:
+    prompt = [(index + offset) % 200 + 1 for offset in range(PROMPT_LEN)]
+    return EngineCoreRequest(
+        request_id=f"r{index}",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+        arrival_time=time.time(),
+    )
+
+
+def message_frames() -> tuple[list[bytes], list[bytes]]:
+    """The wire frames of one small request and of the core's answer to it."""
+    encoder = MessageEncoder()
+    request = encoder.encode(make_request(0))
+    output = EngineCoreOutput("r0", [NULL_TOKEN_ID], FinishReason.LENGTH)
+    reply = encoder.encode(EngineCoreOutputs(outputs=[output], timestamp=time.time()))
+    return request, reply
+
+
+# ---- the floor: raw ZeroMQ ping-pong --------------------------------------------------------
+
+
+def echo_server(requests_address: str, outputs_address: str, reply: list[bytes]) -> None:
+    """Answers every request frame set with `reply` on PUSH, until it receives STOP_FRAME."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(requests_address)
+    push = context.socket(zmq.PUSH)
+    push.connect(outputs_address)
+    dealer.send(b"hello")
+    while True:
+        frames = dealer.recv_multipart()
+        if frames[0] == STOP_FRAME:
+            break
+        push.send_multipart(reply)
+    dealer.close(linger=0)
+    push.close(linger=1000)
+    context.term()
+
+
+def measure_raw(
+    request: list[bytes],
+    reply: list[bytes],
+    num_round_trips: int,
+    num_throughput: int,
+    num_repeats: int,
+) -> dict:
+    """Raw ping-pong: sequential round trips, then `num_repeats` windowed streams."""
+    with tempfile.TemporaryDirectory(prefix="bench-ipc-") as folder:
+        requests_address, outputs_address = f"ipc://{folder}/req", f"ipc://{folder}/out"
+        context = zmq.Context()
+        router = context.socket(zmq.ROUTER)
+        router.bind(requests_address)
+        pull = context.socket(zmq.PULL)
+        pull.bind(outputs_address)
+        echo = multiprocessing.get_context("spawn").Process(
+            target=echo_server, args=(requests_address, outputs_address, reply), daemon=True
+        )
+        echo.start()
+        try:
+            routing_id, _ = router.recv_multipart()
+            for _ in range(min(200, num_round_trips)):  # warm-up
+                router.send_multipart([routing_id, *request])
+                pull.recv_multipart()
+            round_trips_s = []
+            for _ in range(num_round_trips):
+                start = time.perf_counter()
+                router.send_multipart([routing_id, *request])
+                pull.recv_multipart()
+                round_trips_s.append(time.perf_counter() - start)
+            bursts_s = [
+                _raw_burst(router, pull, routing_id, request, num_throughput)
+                for _ in range(num_repeats)
+            ]
+            router.send_multipart([routing_id, STOP_FRAME])
+        finally:
+            echo.join(timeout=10)
+            if echo.is_alive():
+                echo.kill()
+            router.close(linger=0)
+            pull.close(linger=0)
+            context.term()
+    return summarize("raw ZeroMQ ping-pong (floor)", round_trips_s, num_throughput, bursts_s)
+
+
+def _raw_burst(router, pull, routing_id: bytes, request: list[bytes], num_requests: int) -> float:
+    """Seconds to stream `num_requests` through the echo, THROUGHPUT_WINDOW in flight."""
+    start = time.perf_counter()
+    num_sent = num_received = 0
+    while num_received < num_requests:
+        while num_sent < num_requests and num_sent - num_received < THROUGHPUT_WINDOW:
+            router.send_multipart([routing_id, *request])
+            num_sent += 1
+        pull.recv_multipart()
+        num_received += 1
+    return time.perf_counter() - start
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+
+async def measure_core(
+    config: EngineConfig, num_round_trips: int, num_throughput: int, num_repeats: int
+) -> dict:
+    """Through `AsyncCoreClient` and a real engine core process with the null worker."""
+    client = AsyncCoreClient(config)
+    await client.start()
+    try:
+        await _core_burst(client, 0, min(2000, num_throughput))  # warm-up
+        round_trips_s = []
+        for index in range(num_round_trips):
+            request = make_request(10_000_000 + index)
+            start = time.perf_counter()
+            output = await client.add_request(request).get()
+            round_trips_s.append(time.perf_counter() - start)
+            _check_output(output)
+        bursts_s = [
+            await _core_burst(client, (20 + repeat) * 1_000_000, num_throughput)
+            for repeat in range(num_repeats)
+        ]
+    finally:
+        await client.shutdown()
+    return summarize("engine core (AsyncCoreClient)", round_trips_s, num_throughput, bursts_s)
+
+
+async def _core_burst(client: AsyncCoreClient, first_index: int, num_requests: int) -> float:
+    """Submits `num_requests` at once and waits for all of them; returns the seconds taken."""
+    requests = [make_request(first_index + index) for index in range(num_requests)]
+    start = time.perf_counter()
+    queues = [client.add_request(request) for request in requests]
+    for output_queue in queues:
+        _check_output(await output_queue.get())
+    return time.perf_counter() - start
+
+
+def _check_output(output: object) -> None:
+    if not isinstance(output, EngineCoreOutput) or output.new_token_ids != [NULL_TOKEN_ID]:
+        raise RuntimeError(f"unexpected answer from the null engine: {output!r}")
+
+
+async def measure_frontend(
+    config: EngineConfig, num_round_trips: int, num_throughput: int, num_repeats: int
+) -> dict:
+    """Through `AsyncEngineClient` (validation, output processing, detokenization)."""
+    engine = AsyncEngineClient(config)
+    await engine.start()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    prompt = list(range(1, PROMPT_LEN + 1))
+
+    async def one() -> None:
+        async for output in engine.generate(prompt, params, stream=False):
+            if output.outputs[0].token_ids != [NULL_TOKEN_ID]:
+                raise RuntimeError(f"unexpected answer from the null engine: {output!r}")
+
+    try:
+        await asyncio.gather(*(one() for _ in range(min(1000, num_throughput))))  # warm-up
+        round_trips_s = []
+        for _ in range(num_round_trips):
+            start = time.perf_counter()
+            await one()
+            round_trips_s.append(time.perf_counter() - start)
+        bursts_s = []
+        for _ in range(num_repeats):
+            start = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(num_throughput)))
+            bursts_s.append(time.perf_counter() - start)
+    finally:
+        await engine.shutdown()
+    return summarize("full frontend (AsyncEngineClient)", round_trips_s, num_throughput, bursts_s)
+
+
+def summarize(
+    path: str, round_trips_s: list[float], num_requests: int, bursts_s: list[float]
+) -> dict:
+    """Round-trip percentiles; throughput from the median burst."""
+    round_trip_us = {k: v * 1e6 for k, v in percentiles(round_trips_s).items()}
+    elapsed_s = statistics.median(bursts_s)
+    return {
+        "path": path,
+        "num_round_trips": len(round_trips_s),
+        "round_trip_us": round_trip_us,
+        "num_throughput_requests": num_requests,
+        "bursts_s": bursts_s,
+        "requests_per_s": num_requests / elapsed_s,
+        "us_per_request": elapsed_s / num_requests * 1e6,
+    }
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def run_loop(coroutine):
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        loop.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small run, well under a minute")
+    parser.add_argument("--num-round-trips", type=int, default=2000)
+    parser.add_argument("--num-requests", type=int, default=50_000)
+    parser.add_argument("--repeats", type=int, default=3, help="throughput bursts (median)")
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    num_round_trips = 200 if args.quick else args.num_round_trips
+    num_requests = 3000 if args.quick else args.num_requests
+    num_repeats = 1 if args.quick else args.repeats
+    machine = machine_info()
+    config = EngineConfig(
+        model="null",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_seqs * PROMPT_LEN,
+        max_model_len=64,
+    )
+    request_frames, reply_frames = message_frames()
+    rows = [
+        measure_raw(request_frames, reply_frames, num_round_trips, num_requests, num_repeats),
+        run_loop(measure_core(config, num_round_trips, num_requests, num_repeats)),
+        run_loop(measure_frontend(config, num_round_trips, num_requests // 2, num_repeats)),
+    ]
+    raw, core, frontend = rows
+    for row in rows:
+        print(
+            f"{row['path']}: round trip p50 {row['round_trip_us']['p50']:.0f} us, "
+            f"{row['requests_per_s']:.0f} requests/s"
+        )
+    round_trip_ratio = core["round_trip_us"]["p50"] / raw["round_trip_us"]["p50"]
+    result = {
+        "benchmark": "ipc",
+        "quick": args.quick,
+        "machine": machine,
+        "config": {
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "prompt_len": PROMPT_LEN,
+            "max_tokens": 1,
+        },
+        "request_bytes": sum(len(frame) for frame in request_frames),
+        "reply_bytes": sum(len(frame) for frame in reply_frames),
+        "rows": rows,
+        "core_round_trip_vs_raw": round_trip_ratio,
+        "frontend_round_trip_vs_raw": frontend["round_trip_us"]["p50"]
+        / raw["round_trip_us"]["p50"],
+        "core_per_request_cost_vs_raw": core["us_per_request"] / raw["us_per_request"],
+        "core_requests_per_s": core["requests_per_s"],
+        "target_round_trip_ratio": TARGET_ROUND_TRIP_RATIO,
+        "target_requests_per_s": TARGET_REQUESTS_PER_S,
+        "meets_round_trip_target": round_trip_ratio <= TARGET_ROUND_TRIP_RATIO,
+        "meets_throughput_target": core["requests_per_s"] >= TARGET_REQUESTS_PER_S,
+    }
+    write_results(result, render_markdown(result), args.output_dir, result_name("ipc", args.quick))
+    print(
+        f"core round trip vs raw: {round_trip_ratio:.2f}x (target <= {TARGET_ROUND_TRIP_RATIO}x); "
+        f"core throughput {core['requests_per_s']:.0f} requests/s "
+        f"(target >= {TARGET_REQUESTS_PER_S}); "
+        f"per-request cost at saturation vs raw: {result['core_per_request_cost_vs_raw']:.1f}x"
+    )
+
+
+def render_markdown(result: dict) -> str:
+    rows = [
+        [
+            row["path"],
+            f"{row['round_trip_us']['p50']:.0f}",
+            f"{row['round_trip_us']['p90']:.0f}",
+            f"{row['round_trip_us']['p99']:.0f}",
+            f"{row['requests_per_s']:,.0f}",
+            f"{row['us_per_request']:.1f}",
+        ]
+        for row in result["rows"]
+    ]
+    table = markdown_table(
+        ["path", "round trip p50 µs", "p90 µs", "p99 µs", "requests/s", "µs / request"], rows
+    )
+    return (
+        f"### IPC: null model, {result['request_bytes']} B requests, "
+        f"{result['reply_bytes']} B replies\n\n{table}\n\n"
+        f"Core round trip / raw round trip (p50): **{result['core_round_trip_vs_raw']:.2f}x** "
+        f"(target <= {result['target_round_trip_ratio']:.0f}x, "
+        f"{'met' if result['meets_round_trip_target'] else 'missed'}); "
+        f"core throughput **{result['core_requests_per_s']:,.0f} requests/s** "
+        f"(target >= {result['target_requests_per_s']:,}, "
+        f"{'met' if result['meets_throughput_target'] else 'missed'}); "
+        f"per-request cost at saturation vs raw: {result['core_per_request_cost_vs_raw']:.1f}x."
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The serving plot (throughput and latency against load) and the README's benchmark section.
+
+    python -m scripts.plot_results   # re-plots serving.png, rewrites benchmarks/README_SECTION.md
+
+`benchmarks/README_SECTION.md` is assembled from the latest full (non-quick) result tables in
+`benchmarks/results/`, in a fixed order, with the plot referenced from the README's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from scripts.bench_common import RESULTS_DIR
+
+README_SECTION_PATH = RESULTS_DIR.parent / "README_SECTION.md"
+SECTION_ORDER = ("offline", "offline_cuda", "serving", "prefix_cache", "ipc", "scheduler")
+SECTION_INTRO = """## Benchmarks
+
+Every figure is a ratio against a baseline measured in the same run, so that a noisy machine
+still gives an honest comparison: transformers' batched `generate` for offline throughput, the
+lightest load for serving latency, prefix caching off for time to first token, a raw ZeroMQ
+ping-pong for IPC. Scripts live in `scripts/bench_*.py` (`python -m scripts.bench_offline`,
+each with `--quick`); results (JSON + markdown) in `benchmarks/results/`.
+"""
+
+
+def plot_serving(result: dict, path: Path) -> None:
+    """Two panels against offered load: throughput (output tok/s, requests/s) and latency
+    (TTFT and ITL, p50 and p99, log scale). An infinite rate is drawn one step past the last."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    positions, labels = _rate_axis([row["offered_rate"] for row in rows])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(positions, [r["output_tokens_per_s"] for r in rows], "o-", label="output tok/s")
+    left.set_ylabel("output tokens/s")
+    twin = left.twinx()
+    twin.plot(positions, [r["request_throughput"] for r in rows], "s--", color="tab:orange",
+              label="requests/s")  # fmt: skip
+    twin.set_ylabel("requests/s")
+    left.set_title("throughput")
+    left.legend(loc="upper left")
+    twin.legend(loc="lower right")
+    for key, name, style in (("ttft_ms", "TTFT", "o-"), ("itl_ms", "ITL", "s-")):
+        for point, alpha in (("p50", 1.0), ("p99", 0.5)):
+            values = [row[key][point] for row in rows]
+            right.plot(positions, values, style, alpha=alpha, label=f"{name} {point}")
+    right.set_yscale("log")
+    right.set_ylabel("milliseconds")
+    right.set_title("latency")
+    right.legend()
+    for axis in (left, right):
+        axis.set_xticks(positions, labels)
+        axis.set_xlabel("offered load (requests/s)")
+        axis.grid(alpha=0.3)
+    figure.suptitle(f"core-serve under Poisson load ({result['server']})", fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _rate_axis(rates: list) -> tuple[list[float], list[str]]:
+    finite = [float(r) for r in rates if r != "inf" and not math.isinf(float(r))]
+    positions, labels = [], []
+    for index, rate in enumerate(rates):
+        if rate == "inf" or math.isinf(float(rate)):
+            positions.append(len(finite))
+            labels.append("all at once")
+        else:
+            positions.append(index)
+            labels.append(f"{float(rate):g}")
+    return [float(p) for p in positions], labels
+
+
+def write_readme_section(results_dir: Path, path: Path) -> None:
+    """The README section from the full runs' markdown tables that exist, in SECTION_ORDER."""
+    parts = [SECTION_INTRO]
+    for name in SECTION_ORDER:
+        table = results_dir / f"{name}.md"
+        if table.is_file():
+            parts.append(table.read_text().strip() + "\n")
+        if name == "serving" and (results_dir / "serving.png").is_file():
+            relative = (results_dir / "serving.png").relative_to(path.parent.parent)
+            parts.append(f"![throughput and latency against load]({relative.as_posix()})\n")
+    conditions = results_dir / "CONDITIONS.md"
+    if conditions.is_file():
+        parts.append(conditions.read_text().strip() + "\n")
+    path.write_text("\n".join(parts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--readme-section", type=Path, default=README_SECTION_PATH)
+    args = parser.parse_args()
+    serving_json = args.results_dir / "serving.json"
+    if serving_json.is_file():
+        plot_serving(json.loads(serving_json.read_text()), args.results_dir / "serving.png")
+    write_readme_section(args.results_dir, args.readme_section)
+    print(f"wrote {args.readme_section}")
+
+
+if __name__ == "__main__":
+    main()
