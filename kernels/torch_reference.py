@@ -7,6 +7,7 @@ uses on CPU.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
 
@@ -27,6 +28,11 @@ def reshape_and_cache(
     flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+# Cap on the gathered K (or V) bytes of one batched decode chunk, so a large batch of long
+# contexts is processed in pieces instead of materialising every request's KV at once.
+DECODE_GATHER_BYTES = 64 * 1024 * 1024
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -37,31 +43,110 @@ def paged_attention(
     """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal.
 
     Computes in float32 and returns query's dtype. H_q must be a multiple of H_kv (GQA).
+    Requests with one query token (decodes) are batched into a few large ops; longer queries
+    (prefill chunks) run one request at a time. Cache slots past a request's length never
+    reach the output, even when they hold NaN.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
-    for r, seq_len in enumerate(seq_lens):
-        q_start, q_end = starts[r], starts[r + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        num_blocks = (seq_len + block_size - 1) // block_size
-        block_ids = metadata.block_table[r, :num_blocks].long()
-        keys = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        values = kv_cache[1, block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        q = query[q_start:q_end].float().transpose(0, 1)  # [H_q, q_len, D]
-        k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H_q, seq, D]
-        v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        key_pos = torch.arange(seq_len, device=query.device)
-        visible = key_pos[None, :] <= query_pos[:, None]
-        scores.masked_fill_(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
+    decode_rows = []
+    for row, seq_len in enumerate(seq_lens):
+        q_len = starts[row + 1] - starts[row]
+        if q_len == 1:
+            decode_rows.append(row)
+        elif q_len > 1:
+            _request_attention(query, kv_cache, metadata, scale, out, row, starts, seq_len)
+    if decode_rows:
+        _decode_attention(query, kv_cache, metadata, scale, out, decode_rows, starts, seq_lens)
     return out
+
+
+def _request_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    row: int,
+    starts: list[int],
+    seq_len: int,
+) -> None:
+    """One request's query tokens against its first `seq_len` cached tokens."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    q_start, q_end = starts[row], starts[row + 1]
+    q_len = q_end - q_start
+    group = query.shape[1] // num_kv_heads
+    num_blocks = (seq_len + block_size - 1) // block_size
+    block_ids = metadata.block_table[row, :num_blocks].long()
+    keys = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    values = kv_cache[1, block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    q = query[q_start:q_end].float().transpose(0, 1)  # [H_q, q_len, D]
+    k = keys.float().transpose(0, 1)  # [H_kv, seq, D]
+    v = values.float().transpose(0, 1)
+    # Bottom-right causal: query i sits at position seq_len - q_len + i. SDPA's is_causal is
+    # top-left aligned, so it is used only when the query covers the whole sequence.
+    if q_len == seq_len:
+        mask = None
+    else:
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
+    result = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+    )
+    out[q_start:q_end] = result.transpose(0, 1).to(out.dtype)
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    rows: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+) -> None:
+    """Single-token queries of `rows`, batched: gather each request's blocks, pad to the
+    longest, mask the padding (keys to -inf, values to 0 so NaN padding cannot leak)."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    max_seq_len = max(seq_lens[row] for row in rows)
+    bytes_per_request = max_seq_len * num_kv_heads * head_dim * 4
+    chunk = max(1, DECODE_GATHER_BYTES // bytes_per_request)
+    for first in range(0, len(rows), chunk):
+        chunk_rows = rows[first : first + chunk]
+        _decode_chunk(query, kv_cache, metadata, scale, out, chunk_rows, starts, seq_lens)
+
+
+def _decode_chunk(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    rows: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+) -> None:
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    device = query.device
+    num_rows = len(rows)
+    group = query.shape[1] // num_kv_heads
+    max_seq_len = max(seq_lens[row] for row in rows)
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    padded_len = num_blocks * block_size
+    row_index = torch.tensor(rows, device=device)
+    token_index = torch.tensor([starts[row] for row in rows], device=device)
+    lengths = torch.tensor([seq_lens[row] for row in rows], device=device)
+    block_ids = metadata.block_table[row_index, :num_blocks].long()
+    keys = kv_cache[0][block_ids].reshape(num_rows, padded_len, num_kv_heads, head_dim).float()
+    values = kv_cache[1][block_ids].reshape(num_rows, padded_len, num_kv_heads, head_dim).float()
+    padding = torch.arange(padded_len, device=device)[None, :] >= lengths[:, None]  # [B, S]
+    values = values.masked_fill(padding[:, :, None, None], 0.0)
+    q = query[token_index].float().view(num_rows, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)) * scale  # [B, H_kv, group, S]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    result = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, H_kv, group, D]
+    out[token_index] = result.reshape(num_rows, -1, head_dim).to(out.dtype)
