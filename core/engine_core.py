@@ -51,8 +51,13 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        """True while a request is unfinished or workers still have to drop finished ones."""
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
+        """True while a request is unfinished.
+
+        Finished ids alone are no reason for a step: they ride along with the next step's
+        `SchedulerOutput`, so a finishing request costs no extra round trip to the workers
+        (which keep its state a little longer, until that step).
+        """
+        return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs | None:
         """Schedules, executes and applies one step; None when there was nothing to do."""
