@@ -6,8 +6,10 @@ hop. The floor, measured in the same run: a raw ZeroMQ ping-pong with the same s
 (ROUTER -> DEALER, PUSH -> PULL) and the same message sizes, against an echo process.
 
 - round trip: one request in flight at a time, p50/p90/p99 microseconds;
-- throughput: many small requests (8 prompt tokens, max_tokens=1) submitted at once, requests/s
-  (the median of `--repeats` bursts).
+- throughput: a stream of small requests (8 prompt tokens, max_tokens=1) with a bounded number
+  in flight (512 raw, 2048 through the engine: two full batches), requests/s, the median of
+  `--repeats` streams. (Submitting tens of thousands at once would measure how the core copes
+  with a backlog instead.)
 
 Goals: core round trip within 3x of the raw round trip; at least 20,000 requests/s through the
 core. The same figures through `AsyncEngineClient` (tokenizer, output processing) are reported
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import multiprocessing
 import statistics
 import tempfile
@@ -52,6 +55,7 @@ from scripts.bench_common import (
 PROMPT_LEN = 8
 NULL_TOKEN_ID = 42
 THROUGHPUT_WINDOW = 512  # raw ping-pong: requests in flight (below ZeroMQ's default HWM of 1000)
+CORE_WINDOW = 2048  # engine: requests in flight, two full batches of the default max_num_seqs
 TARGET_ROUND_TRIP_RATIO = 3.0
 TARGET_REQUESTS_PER_S = 20_000
 STOP_FRAME = b"stop"
@@ -109,6 +113,10 @@ def measure_raw(
         requests_address, outputs_address = f"ipc://{folder}/req", f"ipc://{folder}/out"
         context = zmq.Context()
         router = context.socket(zmq.ROUTER)
+        # As in the engine's client: block at the high-water mark instead of dropping. (The
+        # sender sees the reader's progress only every HWM/2 messages, so even a window below
+        # the HWM can hit it, and a dropped request would hang the measurement.)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.bind(requests_address)
         pull = context.socket(zmq.PULL)
         pull.bind(outputs_address)
@@ -183,12 +191,17 @@ async def measure_core(
 
 
 async def _core_burst(client: AsyncCoreClient, first_index: int, num_requests: int) -> float:
-    """Submits `num_requests` at once and waits for all of them; returns the seconds taken."""
+    """Streams `num_requests` through the core, CORE_WINDOW in flight (the null engine answers
+    in order, so the oldest is awaited first); returns the seconds taken."""
     requests = [make_request(first_index + index) for index in range(num_requests)]
     start = time.perf_counter()
-    queues = [client.add_request(request) for request in requests]
-    for output_queue in queues:
-        _check_output(await output_queue.get())
+    in_flight: collections.deque = collections.deque()
+    for request in requests:
+        if len(in_flight) == CORE_WINDOW:
+            _check_output(await in_flight.popleft().get())
+        in_flight.append(client.add_request(request))
+    while in_flight:
+        _check_output(await in_flight.popleft().get())
     return time.perf_counter() - start
 
 
@@ -211,8 +224,17 @@ async def measure_frontend(
             if output.outputs[0].token_ids != [NULL_TOKEN_ID]:
                 raise RuntimeError(f"unexpected answer from the null engine: {output!r}")
 
+    async def stream(num_requests: int) -> None:
+        window = asyncio.Semaphore(CORE_WINDOW)
+
+        async def limited() -> None:
+            async with window:
+                await one()
+
+        await asyncio.gather(*(limited() for _ in range(num_requests)))
+
     try:
-        await asyncio.gather(*(one() for _ in range(min(1000, num_throughput))))  # warm-up
+        await stream(min(1000, num_throughput))  # warm-up
         round_trips_s = []
         for _ in range(num_round_trips):
             start = time.perf_counter()
@@ -221,7 +243,7 @@ async def measure_frontend(
         bursts_s = []
         for _ in range(num_repeats):
             start = time.perf_counter()
-            await asyncio.gather(*(one() for _ in range(num_throughput)))
+            await stream(num_throughput)
             bursts_s.append(time.perf_counter() - start)
     finally:
         await engine.shutdown()
@@ -276,17 +298,22 @@ def main() -> None:
         max_model_len=64,
     )
     request_frames, reply_frames = message_frames()
-    rows = [
-        measure_raw(request_frames, reply_frames, num_round_trips, num_requests, num_repeats),
-        run_loop(measure_core(config, num_round_trips, num_requests, num_repeats)),
-        run_loop(measure_frontend(config, num_round_trips, num_requests // 2, num_repeats)),
-    ]
-    raw, core, frontend = rows
-    for row in rows:
+    rows = []
+    for measure in (
+        lambda: measure_raw(
+            request_frames, reply_frames, num_round_trips, num_requests, num_repeats
+        ),
+        lambda: run_loop(measure_core(config, num_round_trips, num_requests, num_repeats)),
+        lambda: run_loop(measure_frontend(config, num_round_trips, num_requests // 2, num_repeats)),
+    ):
+        rows.append(measure())
+        row = rows[-1]
         print(
             f"{row['path']}: round trip p50 {row['round_trip_us']['p50']:.0f} us, "
-            f"{row['requests_per_s']:.0f} requests/s"
+            f"{row['requests_per_s']:.0f} requests/s",
+            flush=True,
         )
+    raw, core, frontend = rows
     round_trip_ratio = core["round_trip_us"]["p50"] / raw["round_trip_us"]["p50"]
     result = {
         "benchmark": "ipc",
@@ -297,6 +324,8 @@ def main() -> None:
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "prompt_len": PROMPT_LEN,
             "max_tokens": 1,
+            "raw_window": THROUGHPUT_WINDOW,
+            "engine_window": CORE_WINDOW,
         },
         "request_bytes": sum(len(frame) for frame in request_frames),
         "reply_bytes": sum(len(frame) for frame in reply_frames),

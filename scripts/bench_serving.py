@@ -186,7 +186,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     if args.num_requests is None:
-        args.num_requests = 8 if args.quick else 48
+        args.num_requests = 8 if args.quick else 32
     return args
 
 
