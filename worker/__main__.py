@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = _make_worker(config, args.rank, args.world_size)
         worker.load_model()
+        _share_cpu_cores(config, worker, args.world_size)
         num_gpu_blocks = worker.determine_num_available_blocks()
         device = str(getattr(worker, "device", config.device))
         ready = WorkerReady(
@@ -91,6 +92,15 @@ def _serve(worker, rank: int, config: EngineConfig, input_socket, output_socket,
             output_socket.send_multipart(encoder.encode(KVCacheReady(rank)))
         else:
             return
+
+
+def _share_cpu_cores(config: EngineConfig, worker, world_size: int) -> None:
+    """A model worker on the CPU leaves one core to the frontend and engine core processes."""
+    if config.is_null_model or getattr(worker.device, "type", None) != "cpu":
+        return
+    from worker.parallel_state import share_cpu_threads
+
+    share_cpu_threads(world_size)
 
 
 def _leave_process_group(config: EngineConfig, world_size: int) -> None:
