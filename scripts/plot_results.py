@@ -17,6 +17,8 @@ from scripts.bench_common import RESULTS_DIR
 
 README_SECTION_PATH = RESULTS_DIR.parent / "README_SECTION.md"
 SECTION_ORDER = ("offline", "offline_cuda", "serving", "prefix_cache", "ipc", "scheduler")
+# Headings for result tables that do not start with their own.
+SECTION_TITLES = {"scheduler": "### Scheduler: cost per running request (simulated model)"}
 SECTION_INTRO = """## Benchmarks
 
 Every figure is a ratio against a baseline measured in the same run, so that a noisy machine
@@ -85,7 +87,10 @@ def write_readme_section(results_dir: Path, path: Path) -> None:
     for name in SECTION_ORDER:
         table = results_dir / f"{name}.md"
         if table.is_file():
-            parts.append(table.read_text().strip() + "\n")
+            text = table.read_text().strip()
+            if not text.startswith("#") and name in SECTION_TITLES:
+                text = f"{SECTION_TITLES[name]}\n\n{text}"
+            parts.append(text + "\n")
         if name == "serving" and (results_dir / "serving.png").is_file():
             relative = (results_dir / "serving.png").relative_to(path.parent.parent)
             parts.append(f"![throughput and latency against load]({relative.as_posix()})\n")

@@ -100,12 +100,14 @@ def test_plot_and_readme_section(tmp_path):
     (results_dir / "offline.md").write_text("### Offline table\n")
     (results_dir / "serving.md").write_text("### Serving table\n")
     (results_dir / "offline_quick.md").write_text("### must not appear\n")
+    (results_dir / "scheduler.md").write_text("| running |\n|---:|\n| 64 |\n")
     section = tmp_path / "benchmarks" / "README_SECTION.md"
     write_readme_section(results_dir, section)
     text = section.read_text()
     assert text.index("### Offline table") < text.index("### Serving table")
     assert "](benchmarks/results/serving.png)" in text
     assert "must not appear" not in text
+    assert "### Scheduler" in text and text.index("### Scheduler") < text.index("| running |")
 
 
 # ---- the scripts, --quick in a subprocess ------------------------------------------------------
