@@ -92,9 +92,17 @@ def _request_attention(
     else:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
+    # A leading batch dim keeps SDPA on its fused CPU kernel (3-D inputs take a slow path:
+    # 113 ms vs 27 ms for a 1,000-token causal prefill here).
     result = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
-    )
+        q[None],
+        k[None],
+        v[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=group > 1,
+    )[0]
     out[q_start:q_end] = result.transpose(0, 1).to(out.dtype)
 
 
