@@ -117,10 +117,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         """Adds one `--field-name` flag per field (default: unset, so the config default wins)."""
         for field in msgspec.structs.fields(cls):
             flag = "--" + field.name.replace("_", "-")
+            help_text = f"{FIELD_HELP.get(field.name, '')} (default: {field.default})".lstrip()
             if field.type is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                )
             else:
-                parser.add_argument(flag, default=None, metavar=field.name.upper())
+                parser.add_argument(flag, default=None, metavar=field.name.upper(), help=help_text)
 
     @classmethod
     def from_cli_args(
@@ -136,6 +139,28 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             return msgspec.convert(values, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ValueError(f"invalid engine option: {exc}") from exc
+
+
+FIELD_HELP = {
+    "model": "HF folder or .gguf file (None: the default SmolLM2-135M-Instruct; 'null': no model)",
+    "device": "auto, cpu or cuda",
+    "dtype": "float32, float16 or bfloat16 (None: float32 on CPU, the checkpoint's on CUDA)",
+    "block_size": "tokens per KV cache block",
+    "max_num_seqs": "most requests running in one step",
+    "max_num_batched_tokens": "token budget of one step; longer prompts are chunked",
+    "max_model_len": "context window (None: the model's)",
+    "gpu_memory_utilization": "share of GPU memory the worker may use",
+    "num_gpu_blocks_override": "exact number of KV blocks, instead of profiling",
+    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "tensor_parallel_size": "worker processes (devices) to shard the model over",
+    "long_prefill_token_threshold": "most prompt tokens one request gets per step (0: no cap)",
+    "policy": "fcfs or priority",
+    "seed": "engine seed",
+    "startup_timeout_s": "seconds to wait for workers to load and profile",
+    "step_timeout_s": "seconds to wait for one step's result",
+    "shutdown_timeout_s": "seconds to wait for a clean shutdown before killing",
+    "max_frame_bytes": "largest accepted request frame",
+}
 
 
 def _check(condition: bool, message: str) -> None:
