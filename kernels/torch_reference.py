@@ -58,9 +58,19 @@ def paged_attention(
             decode_rows.append(row)
         elif q_len > 1:
             _request_attention(query, kv_cache, metadata, scale, out, row, starts, seq_len)
-    if decode_rows:
-        _decode_attention(query, kv_cache, metadata, scale, out, decode_rows, starts, seq_lens)
+    for chunk_rows in _decode_chunks(decode_rows, seq_lens, kv_cache):
+        _decode_chunk(query, kv_cache, metadata, scale, out, chunk_rows, starts, seq_lens)
     return out
+
+
+def _decode_chunks(rows: list[int], seq_lens: list[int], kv_cache: torch.Tensor) -> list[list[int]]:
+    """`rows` split so one chunk's gathered K stays under DECODE_GATHER_BYTES."""
+    if not rows:
+        return []
+    num_kv_heads, head_dim = kv_cache.shape[3:]
+    bytes_per_request = max(seq_lens[row] for row in rows) * num_kv_heads * head_dim * 4
+    chunk = max(1, DECODE_GATHER_BYTES // bytes_per_request)
+    return [rows[first : first + chunk] for first in range(0, len(rows), chunk)]
 
 
 def _request_attention(
@@ -106,7 +116,7 @@ def _request_attention(
     out[q_start:q_end] = result.transpose(0, 1).to(out.dtype)
 
 
-def _decode_attention(
+def _decode_chunk(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
@@ -118,25 +128,6 @@ def _decode_attention(
 ) -> None:
     """Single-token queries of `rows`, batched: gather each request's blocks, pad to the
     longest, mask the padding (keys to -inf, values to 0 so NaN padding cannot leak)."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    max_seq_len = max(seq_lens[row] for row in rows)
-    bytes_per_request = max_seq_len * num_kv_heads * head_dim * 4
-    chunk = max(1, DECODE_GATHER_BYTES // bytes_per_request)
-    for first in range(0, len(rows), chunk):
-        chunk_rows = rows[first : first + chunk]
-        _decode_chunk(query, kv_cache, metadata, scale, out, chunk_rows, starts, seq_lens)
-
-
-def _decode_chunk(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    out: torch.Tensor,
-    rows: list[int],
-    starts: list[int],
-    seq_lens: list[int],
-) -> None:
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     device = query.device
     num_rows = len(rows)

@@ -47,6 +47,17 @@ def test_lengths_match_naive(seq_lens, q_lens):
     assert_matches_naive(case, run_reference(case))
 
 
+def test_decode_rows_split_into_bounded_chunks_match_naive(monkeypatch):
+    """A gather budget of one request per chunk gives the same answer as one big chunk."""
+    seq_lens = [40, 7, 130, 16]
+    case = make_case(seq_lens, [1] * 4, num_heads=8, num_kv_heads=2, head_dim=64)
+    kv_cache = case.kv_cache
+    bytes_per_longest = max(seq_lens) * 2 * 64 * 4
+    monkeypatch.setattr(torch_reference, "DECODE_GATHER_BYTES", bytes_per_longest)
+    assert torch_reference._decode_chunks([0, 1, 2, 3], seq_lens, kv_cache) == [[0], [1], [2], [3]]
+    assert_matches_naive(case, run_reference(case))
+
+
 @pytest.mark.parametrize("group_size", [1, 3, 4, 7, 8])
 def test_gqa_groups_match_naive(group_size):
     case = make_case(
