@@ -236,3 +236,42 @@ __device__ __forceinline__ unsigned int pack2<bf16_t>(float lo, float hi) {
   return static_cast<unsigned int>(float_to_bf16_bits(lo)) |
          (static_cast<unsigned int>(float_to_bf16_bits(hi)) << 16);
 }
+
+// The query tile a prefill CTA owns (grid x = query tile, y = request, z = kv_head); shared by
+// prefill_attention.cu and prefill_attention_tc.cu. Rows are token_in_tile * group + head.
+struct PrefillTile {
+  int req;
+  int kv_head;
+  int q_begin;      // first query token of the request
+  int tok0;         // first query token of the tile, within the request
+  int context_len;  // cached tokens before the request's query
+  int num_rows;     // tokens in the tile * group size
+  int kv_end;       // keys visible to the tile's last token (bottom-right causal)
+};
+
+// Fills `tile`; false when this CTA has nothing to do (tile past the query, or a one-token
+// query left to the decode kernel).
+__device__ __forceinline__ bool find_prefill_tile(const int* query_start_loc, const int* seq_lens,
+                                                  int tokens_per_tile, int group_size,
+                                                  int skip_single_token_queries,
+                                                  PrefillTile* tile) {
+  const int req = blockIdx.y;
+  const int q_begin = query_start_loc[req];
+  const int q_len = query_start_loc[req + 1] - q_begin;
+  if (skip_single_token_queries && q_len == 1) {
+    return false;
+  }
+  const int tok0 = blockIdx.x * tokens_per_tile;
+  if (tok0 >= q_len) {
+    return false;
+  }
+  const int num_tokens = min(tokens_per_tile, q_len - tok0);
+  tile->req = req;
+  tile->kv_head = blockIdx.z;
+  tile->q_begin = q_begin;
+  tile->tok0 = tok0;
+  tile->context_len = seq_lens[req] - q_len;
+  tile->num_rows = num_tokens * group_size;
+  tile->kv_end = tile->context_len + tok0 + num_tokens;
+  return true;
+}

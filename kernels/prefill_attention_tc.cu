@@ -53,23 +53,18 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
     int skip_single_token_queries) {
   using L = TcLayout<HEAD_DIM>;
 
-  const int tile = blockIdx.x;
-  const int req = blockIdx.y;
-  const int kv_head = blockIdx.z;
-  const int q_begin = query_start_loc[req];
-  const int q_len = query_start_loc[req + 1] - q_begin;
-  if (skip_single_token_queries && q_len == 1) {
+  PrefillTile tile;
+  if (!find_prefill_tile(query_start_loc, seq_lens, tokens_per_tile, group_size,
+                         skip_single_token_queries, &tile)) {
     return;
   }
-  const int tok0 = tile * tokens_per_tile;
-  if (tok0 >= q_len) {
-    return;
-  }
-  const int seq_len = seq_lens[req];
-  const int context_len = seq_len - q_len;
-  const int num_tokens = min(tokens_per_tile, q_len - tok0);
-  const int num_rows = num_tokens * group_size;
-  const int kv_end = context_len + tok0 + num_tokens;  // keys visible to the tile's last token
+  const int req = tile.req;
+  const int kv_head = tile.kv_head;
+  const int q_begin = tile.q_begin;
+  const int tok0 = tile.tok0;
+  const int context_len = tile.context_len;
+  const int num_rows = tile.num_rows;
+  const int kv_end = tile.kv_end;
 
   extern __shared__ float4 tc_smem4[];
   unsigned short* s_q = reinterpret_cast<unsigned short*>(tc_smem4);  // [kTcRows][kQkStride]
