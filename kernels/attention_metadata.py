@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class AttentionMetadata:
     Invariant: query token i of request r (0-based within its query) sits at position
     `seq_lens[r] - q_len[r] + i` and sees keys 0..that position (bottom-right causal mask).
     `max_query_len` / `max_seq_len` are host-side ints so kernels can size grids without a sync.
+    `backend_cache` holds what a backend derives from these fields on the first layer of a step
+    and reuses in the others (the metadata is shared by every layer and never mutated).
     """
 
     slot_mapping: torch.Tensor
@@ -30,6 +32,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

@@ -6,6 +6,8 @@ uses on CPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,41 @@ def reshape_and_cache(
 DECODE_GATHER_BYTES = 64 * 1024 * 1024
 
 
+@dataclass(slots=True, frozen=True)
+class _PrefillRequest:
+    """One request with more than one query token: rows q_start:q_end over seq_len keys."""
+
+    q_start: int
+    q_end: int
+    seq_len: int
+    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]
+
+
+@dataclass(slots=True, frozen=True)
+class _DecodeChunk:
+    """Requests with one query token each, attended together over their gathered blocks.
+
+    Request i's keys are gathered into rows i * padded_len ... of a [num_rows * padded_len]
+    slot buffer; `padding_slots` are the buffer rows past each request's length, which are
+    zeroed (they may hold another request's data or NaN) and masked out by `key_mask`.
+    """
+
+    token_index: torch.Tensor  # int64 [num_rows]: the query row of each request
+    block_ids: torch.Tensor  # int64 [num_rows * num_blocks], request-major
+    padding_slots: torch.Tensor  # int64 [P]
+    key_mask: torch.Tensor  # bool [num_rows, 1, 1, padded_len], True = attend
+    num_rows: int
+    padded_len: int
+
+
+@dataclass(slots=True, frozen=True)
+class _AttentionPlan:
+    """What one step's metadata means for this backend; built on the first layer only."""
+
+    prefills: list[_PrefillRequest]
+    decodes: list[_DecodeChunk]
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -43,24 +80,51 @@ def paged_attention(
     """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal.
 
     Computes in float32 and returns query's dtype. H_q must be a multiple of H_kv (GQA).
-    Requests with one query token (decodes) are batched into a few large ops; longer queries
-    (prefill chunks) run one request at a time. Cache slots past a request's length never
-    reach the output, even when they hold NaN.
+    Requests with one query token (decodes) are batched into a few fused SDPA calls; longer
+    queries (prefill chunks) run one request at a time. Cache slots past a request's length
+    never reach the output, even when they hold NaN.
     """
     if out is None:
         out = torch.empty_like(query)
+    plan = _plan(metadata, kv_cache)
+    for request in plan.prefills:
+        _prefill_attention(query, kv_cache, scale, out, request)
+    for chunk in plan.decodes:
+        _decode_attention(query, kv_cache, scale, out, chunk)
+    return out
+
+
+def _plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _AttentionPlan:
+    """The step's plan, cached in the metadata for the layers after the first."""
+    key = ("torch_reference", tuple(kv_cache.shape[2:]))
+    plan = metadata.backend_cache.get(key)
+    if plan is None:
+        plan = metadata.backend_cache[key] = _build_plan(metadata, kv_cache)
+    return plan
+
+
+def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _AttentionPlan:
+    block_size = kv_cache.shape[2]
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
-    decode_rows = []
+    block_table = metadata.block_table.long()
+    prefills, decode_rows = [], []
     for row, seq_len in enumerate(seq_lens):
         q_len = starts[row + 1] - starts[row]
         if q_len == 1:
             decode_rows.append(row)
         elif q_len > 1:
-            _request_attention(query, kv_cache, metadata, scale, out, row, starts, seq_len)
-    for chunk_rows in _decode_chunks(decode_rows, seq_lens, kv_cache):
-        _decode_chunk(query, kv_cache, metadata, scale, out, chunk_rows, starts, seq_lens)
-    return out
+            num_blocks = -(-seq_len // block_size)
+            prefills.append(
+                _PrefillRequest(
+                    starts[row], starts[row + 1], seq_len, block_table[row, :num_blocks]
+                )
+            )
+    decodes = [
+        _decode_chunk(rows, starts, seq_lens, block_table, block_size)
+        for rows in _decode_chunks(decode_rows, seq_lens, kv_cache)
+    ]
+    return _AttentionPlan(prefills, decodes)
 
 
 def _decode_chunks(rows: list[int], seq_lens: list[int], kv_cache: torch.Tensor) -> list[list[int]]:
@@ -73,25 +137,52 @@ def _decode_chunks(rows: list[int], seq_lens: list[int], kv_cache: torch.Tensor)
     return [rows[first : first + chunk] for first in range(0, len(rows), chunk)]
 
 
-def _request_attention(
+def _decode_chunk(
+    rows: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    block_size: int,
+) -> _DecodeChunk:
+    device = block_table.device
+    num_blocks = -(-max(seq_lens[row] for row in rows) // block_size)
+    padded_len = num_blocks * block_size
+    row_index = torch.tensor(rows, device=device)
+    lengths = torch.tensor([seq_lens[row] for row in rows], device=device)
+    attend = torch.arange(padded_len, device=device)[None, :] < lengths[:, None]
+    return _DecodeChunk(
+        token_index=torch.tensor([starts[row] for row in rows], device=device),
+        block_ids=block_table[row_index, :num_blocks].reshape(-1),
+        padding_slots=torch.nonzero(~attend.reshape(-1)).reshape(-1),
+        key_mask=attend[:, None, None, :],
+        num_rows=len(rows),
+        padded_len=padded_len,
+    )
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [N, block_size, H_kv, D] -> its blocks `block_ids` as [len * block_size, H_kv, D].
+
+    Rows of a 2-D view are copied whole (4x faster on CPU than indexing the 4-D cache)."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_ids)
+    return rows.view(-1, num_kv_heads, head_dim)
+
+
+def _prefill_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
-    row: int,
-    starts: list[int],
-    seq_len: int,
+    request: _PrefillRequest,
 ) -> None:
     """One request's query tokens against its first `seq_len` cached tokens."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    q_start, q_end = starts[row], starts[row + 1]
+    num_kv_heads = kv_cache.shape[3]
+    q_start, q_end, seq_len = request.q_start, request.q_end, request.seq_len
     q_len = q_end - q_start
     group = query.shape[1] // num_kv_heads
-    num_blocks = (seq_len + block_size - 1) // block_size
-    block_ids = metadata.block_table[row, :num_blocks].long()
-    keys = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    values = kv_cache[1, block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    keys = _gather_blocks(kv_cache[0], request.block_ids)[:seq_len]
+    values = _gather_blocks(kv_cache[1], request.block_ids)[:seq_len]
     q = query[q_start:q_end].float().transpose(0, 1)  # [H_q, q_len, D]
     k = keys.float().transpose(0, 1)  # [H_kv, seq, D]
     v = values.float().transpose(0, 1)
@@ -116,36 +207,30 @@ def _request_attention(
     out[q_start:q_end] = result.transpose(0, 1).to(out.dtype)
 
 
-def _decode_chunk(
+def _decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
-    rows: list[int],
-    starts: list[int],
-    seq_lens: list[int],
+    chunk: _DecodeChunk,
 ) -> None:
-    """Single-token queries of `rows`, batched: gather each request's blocks, pad to the
-    longest, mask the padding (keys to -inf, values to 0 so NaN padding cannot leak)."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    device = query.device
-    num_rows = len(rows)
+    """One fused SDPA over the chunk's requests: each KV head's query group plays the part of
+    a short query sequence ([B, H_kv, group, D]), so GQA needs no repeated K/V, and the
+    gathered K/V are read through strided views, without another copy."""
+    num_kv_heads, head_dim = kv_cache.shape[3:]
     group = query.shape[1] // num_kv_heads
-    max_seq_len = max(seq_lens[row] for row in rows)
-    num_blocks = (max_seq_len + block_size - 1) // block_size
-    padded_len = num_blocks * block_size
-    row_index = torch.tensor(rows, device=device)
-    token_index = torch.tensor([starts[row] for row in rows], device=device)
-    lengths = torch.tensor([seq_lens[row] for row in rows], device=device)
-    block_ids = metadata.block_table[row_index, :num_blocks].long()
-    keys = kv_cache[0][block_ids].reshape(num_rows, padded_len, num_kv_heads, head_dim).float()
-    values = kv_cache[1][block_ids].reshape(num_rows, padded_len, num_kv_heads, head_dim).float()
-    padding = torch.arange(padded_len, device=device)[None, :] >= lengths[:, None]  # [B, S]
-    values = values.masked_fill(padding[:, :, None, None], 0.0)
-    q = query[token_index].float().view(num_rows, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)) * scale  # [B, H_kv, group, S]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    result = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, H_kv, group, D]
-    out[token_index] = result.reshape(num_rows, -1, head_dim).to(out.dtype)
+    shape = (chunk.num_rows, chunk.padded_len, num_kv_heads, head_dim)
+    keys = _gather_blocks(kv_cache[0], chunk.block_ids)
+    values = _gather_blocks(kv_cache[1], chunk.block_ids)
+    # Zero the padding so NaN there cannot leak (0 * NaN is NaN even under a -inf mask).
+    keys.view(keys.shape[0], -1).index_fill_(0, chunk.padding_slots, 0.0)
+    values.view(values.shape[0], -1).index_fill_(0, chunk.padding_slots, 0.0)
+    q = query[chunk.token_index].float().view(chunk.num_rows, num_kv_heads, group, head_dim)
+    result = F.scaled_dot_product_attention(
+        q,
+        keys.float().view(shape).transpose(1, 2),
+        values.float().view(shape).transpose(1, 2),
+        attn_mask=chunk.key_mask,
+        scale=scale,
+    )  # [B, H_kv, group, D]
+    out[chunk.token_index] = result.reshape(chunk.num_rows, -1, head_dim).to(out.dtype)
