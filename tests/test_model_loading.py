@@ -13,6 +13,7 @@ from proto.model_files import default_model_path, resolve_model_path
 from tests.model_fixtures import build_tiny_model_folder
 from worker.layers import (
     ColumnParallelLinear,
+    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -280,6 +281,17 @@ def test_tied_checkpoint_may_also_store_lm_head(tmp_path):
 
 
 # --- tensor-parallel slicing ----------------------------------------------------------------
+
+
+def test_cpu_lm_head_in_row_slices_equals_one_matmul(monkeypatch):
+    """The CPU LM head computes the vocabulary in slices (the last one short); same logits."""
+    monkeypatch.setattr("worker.layers.CPU_LOGITS_ROWS_PER_MATMUL", 4)
+    head = ParallelLMHead(11, 8)
+    head.weight.weight_loader(head.weight, torch.randn(11, 8))
+    hidden = torch.randn(5, 8)
+    logits = head.compute_logits(hidden)
+    assert logits.shape == (5, 11)
+    torch.testing.assert_close(logits, hidden @ head.weight.T, atol=1e-6, rtol=0)
 
 
 def test_tensor_parallel_layers_take_their_rank_slice():

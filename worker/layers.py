@@ -332,11 +332,28 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_parallel_all_reduce(embeddings, self.tp_size)
 
 
+# Vocabulary rows per matmul of the LM head on CPU. One [N, hidden] x [vocab, hidden]^T product
+# streams the whole weight (113 MB for SmolLM2) once per block of N; slices that stay in L2 ran
+# 15-30% faster at N = 8..96 on the 2-core EPYC the benchmarks ran on.
+CPU_LOGITS_ROWS_PER_MATMUL = 256
+
+
+def _linear_in_row_slices(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """F.linear(x, weight) computed `rows` output features at a time."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    for first in range(0, weight.shape[0], rows):
+        torch.mm(x, weight[first : first + rows].t(), out=out[:, first : first + rows])
+    return out
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to vocabulary logits, split over ranks like the embedding."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab_size] (gathered on every rank)."""
-        logits = F.linear(hidden_states, self.weight)
+        if hidden_states.device.type == "cpu":
+            logits = _linear_in_row_slices(hidden_states, self.weight, CPU_LOGITS_ROWS_PER_MATMUL)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         logits = tensor_parallel_all_gather(logits, self.tp_size)
         return logits[:, : self.num_embeddings].float()
