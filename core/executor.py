@@ -4,6 +4,7 @@ It starts `tensor_parallel_size` processes (`python -m worker`, so `core/` never
 `worker/`), broadcasts each message to all ranks over one PUSH socket per worker, and collects
 answers on one PULL socket (every rank answers start-up messages; only rank 0 answers a step).
 Every wait is bounded and re-checks every worker's liveness at least every `POLL_INTERVAL_S`.
+While it waits for a step, it also serves one more socket for its owner (`read_while_waiting`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -67,6 +69,10 @@ class Executor:
         self._output_socket = context.socket(zmq.PULL)
         output_address = f"ipc://{self.ipc_dir}/outputs"
         self._output_socket.bind(output_address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._output_socket, zmq.POLLIN)
+        self._side_socket: zmq.Socket | None = None
+        self._on_side_input: Callable[[], None] = lambda: None
         try:
             dist_init_address = f"tcp://127.0.0.1:{_find_free_port()}"
             for rank in range(config.tensor_parallel_size):
@@ -107,6 +113,12 @@ class Executor:
         """Tells every rank to allocate `num_gpu_blocks` and waits for all KVCacheReady."""
         self._broadcast(InitKVCache(num_gpu_blocks), self.config.startup_timeout_s)
         self._collect(KVCacheReady, self.config.startup_timeout_s, "KV cache allocation")
+
+    def read_while_waiting(self, socket: zmq.Socket, on_input: Callable[[], None]) -> None:
+        """From now on, whenever `socket` has input while the workers are awaited,
+        `on_input()` is called (it must read without blocking); the wait goes on after it."""
+        self._side_socket, self._on_side_input = socket, on_input
+        self._poller.register(socket, zmq.POLLIN)
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -183,7 +195,10 @@ class Executor:
                     f"{len(rank_to_answer)} of {num_answers} workers answered {what} within "
                     f"{timeout_s} s"
                 )
-            if self._output_socket.poll(min(remaining_s, POLL_INTERVAL_S) * 1000):
+            ready = dict(self._poller.poll(min(remaining_s, POLL_INTERVAL_S) * 1000))
+            if self._side_socket in ready:
+                self._on_side_input()
+            if self._output_socket in ready:
                 message = self._receive()
                 if isinstance(message, WorkerError):
                     raise self._worker_failed(message)
