@@ -1,9 +1,11 @@
 """The engine's own IPC cost: client -> engine core -> worker -> core -> client, null model.
 
 The null worker returns one token per request and does no work, so what is measured is the
-frontend client, the sockets, the engine core's threads and scheduler, and the core <-> worker
+frontend client, the sockets, the engine core's loop and scheduler, and the core <-> worker
 hop. The floor, measured in the same run: a raw ZeroMQ ping-pong with the same socket types
-(ROUTER -> DEALER, PUSH -> PULL) and the same message sizes, against an echo process.
+(ROUTER -> DEALER, PUSH -> PULL) and the same message sizes, against an echo process. Raw and
+core measurements alternate (blocks of round trips, one burst each per repeat), so both see the
+same machine.
 
 - round trip: one request in flight at a time, p50/p90/p99 microseconds;
 - throughput: a stream of small requests (8 prompt tokens, max_tokens=1) with a bounded number
@@ -59,6 +61,7 @@ CORE_WINDOW = 2048  # engine: requests in flight, two full batches of the defaul
 TARGET_ROUND_TRIP_RATIO = 3.0
 TARGET_REQUESTS_PER_S = 20_000
 STOP_FRAME = b"stop"
+ROUND_TRIP_BLOCK = 100  # round trips per turn when raw and core alternate
 
 
 def make_request(index: int) -> EngineCoreRequest:
@@ -101,93 +104,118 @@ def echo_server(requests_address: str, outputs_address: str, reply: list[bytes])
     context.term()
 
 
-def measure_raw(
-    request: list[bytes],
-    reply: list[bytes],
-    num_round_trips: int,
-    num_throughput: int,
-    num_repeats: int,
-) -> dict:
-    """Raw ping-pong: sequential round trips, then `num_repeats` windowed streams."""
-    with tempfile.TemporaryDirectory(prefix="bench-ipc-") as folder:
-        requests_address, outputs_address = f"ipc://{folder}/req", f"ipc://{folder}/out"
-        context = zmq.Context()
-        router = context.socket(zmq.ROUTER)
+class RawPingPong:
+    """The floor: a ROUTER/PULL pair here and an echo process (DEALER/PUSH) answering every
+    request frame set with the reply frames. A context manager; one request at a time."""
+
+    def __init__(self, request: list[bytes], reply: list[bytes]) -> None:
+        self.request, self.reply = request, reply
+
+    def __enter__(self) -> RawPingPong:
+        self._folder = tempfile.TemporaryDirectory(prefix="bench-ipc-")
+        requests_address = f"ipc://{self._folder.name}/req"
+        outputs_address = f"ipc://{self._folder.name}/out"
+        self._context = zmq.Context()
+        self.router = self._context.socket(zmq.ROUTER)
         # As in the engine's client: block at the high-water mark instead of dropping. (The
         # sender sees the reader's progress only every HWM/2 messages, so even a window below
         # the HWM can hit it, and a dropped request would hang the measurement.)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.bind(requests_address)
-        pull = context.socket(zmq.PULL)
-        pull.bind(outputs_address)
-        echo = multiprocessing.get_context("spawn").Process(
-            target=echo_server, args=(requests_address, outputs_address, reply), daemon=True
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.bind(requests_address)
+        self.pull = self._context.socket(zmq.PULL)
+        self.pull.bind(outputs_address)
+        self._echo = multiprocessing.get_context("spawn").Process(
+            target=echo_server,
+            args=(requests_address, outputs_address, self.reply),
+            daemon=True,
         )
-        echo.start()
+        self._echo.start()
+        self.routing_id, _ = self.router.recv_multipart()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
         try:
-            routing_id, _ = router.recv_multipart()
-            for _ in range(min(200, num_round_trips)):  # warm-up
-                router.send_multipart([routing_id, *request])
-                pull.recv_multipart()
-            round_trips_s = []
-            for _ in range(num_round_trips):
-                start = time.perf_counter()
-                router.send_multipart([routing_id, *request])
-                pull.recv_multipart()
-                round_trips_s.append(time.perf_counter() - start)
-            bursts_s = [
-                _raw_burst(router, pull, routing_id, request, num_throughput)
-                for _ in range(num_repeats)
-            ]
-            router.send_multipart([routing_id, STOP_FRAME])
+            self.router.send_multipart([self.routing_id, STOP_FRAME])
         finally:
-            echo.join(timeout=10)
-            if echo.is_alive():
-                echo.kill()
-            router.close(linger=0)
-            pull.close(linger=0)
-            context.term()
-    return summarize("raw ZeroMQ ping-pong (floor)", round_trips_s, num_throughput, bursts_s)
+            self._echo.join(timeout=10)
+            if self._echo.is_alive():
+                self._echo.kill()
+            self.router.close(linger=0)
+            self.pull.close(linger=0)
+            self._context.term()
+            self._folder.cleanup()
 
+    def round_trip(self) -> float:
+        start = time.perf_counter()
+        self.router.send_multipart([self.routing_id, *self.request])
+        self.pull.recv_multipart()
+        return time.perf_counter() - start
 
-def _raw_burst(router, pull, routing_id: bytes, request: list[bytes], num_requests: int) -> float:
-    """Seconds to stream `num_requests` through the echo, THROUGHPUT_WINDOW in flight."""
-    start = time.perf_counter()
-    num_sent = num_received = 0
-    while num_received < num_requests:
-        while num_sent < num_requests and num_sent - num_received < THROUGHPUT_WINDOW:
-            router.send_multipart([routing_id, *request])
-            num_sent += 1
-        pull.recv_multipart()
-        num_received += 1
-    return time.perf_counter() - start
+    def burst(self, num_requests: int) -> float:
+        """Seconds to stream `num_requests` through the echo, THROUGHPUT_WINDOW in flight."""
+        start = time.perf_counter()
+        num_sent = num_received = 0
+        while num_received < num_requests:
+            while num_sent < num_requests and num_sent - num_received < THROUGHPUT_WINDOW:
+                self.router.send_multipart([self.routing_id, *self.request])
+                num_sent += 1
+            self.pull.recv_multipart()
+            num_received += 1
+        return time.perf_counter() - start
 
 
 # ---- the engine ------------------------------------------------------------------------------
 
 
-async def measure_core(
-    config: EngineConfig, num_round_trips: int, num_throughput: int, num_repeats: int
-) -> dict:
-    """Through `AsyncCoreClient` and a real engine core process with the null worker."""
+async def measure_raw_and_core(
+    config: EngineConfig,
+    frames: tuple[list[bytes], list[bytes]],
+    num_round_trips: int,
+    num_throughput: int,
+    num_repeats: int,
+) -> tuple[dict, dict]:
+    """The raw floor and `AsyncCoreClient` + a real engine core process with the null worker,
+    measured in alternation (blocks of ROUND_TRIP_BLOCK round trips, then one burst each per
+    repeat), so that both see the same machine: on a shared VM the latency of the same code
+    drifts by 2x from one minute to the next."""
     client = AsyncCoreClient(config)
     await client.start()
     try:
-        await _core_burst(client, 0, min(2000, num_throughput))  # warm-up
-        round_trips_s = []
-        for index in range(num_round_trips):
-            request = make_request(10_000_000 + index)
-            start = time.perf_counter()
-            output = await client.add_request(request).get()
-            round_trips_s.append(time.perf_counter() - start)
-            _check_output(output)
-        bursts_s = [
-            await _core_burst(client, (20 + repeat) * 1_000_000, num_throughput)
-            for repeat in range(num_repeats)
-        ]
+        with RawPingPong(*frames) as raw:
+            for _ in range(min(200, num_round_trips)):  # warm-up
+                raw.round_trip()
+            await _core_burst(client, 0, min(2000, num_throughput))
+            raw_round_trips_s: list[float] = []
+            core_round_trips_s: list[float] = []
+            next_index = 10_000_000
+            while len(core_round_trips_s) < num_round_trips:
+                block = min(ROUND_TRIP_BLOCK, num_round_trips - len(core_round_trips_s))
+                raw_round_trips_s += [raw.round_trip() for _ in range(block)]
+                for _ in range(block):
+                    core_round_trips_s.append(await _core_round_trip(client, next_index))
+                    next_index += 1
+            raw_bursts_s, core_bursts_s = [], []
+            for repeat in range(num_repeats):
+                raw_bursts_s.append(raw.burst(num_throughput))
+                first_index = (20 + repeat) * 1_000_000
+                core_bursts_s.append(await _core_burst(client, first_index, num_throughput))
     finally:
         await client.shutdown()
-    return summarize("engine core (AsyncCoreClient)", round_trips_s, num_throughput, bursts_s)
+    return (
+        summarize("raw ZeroMQ ping-pong (floor)", raw_round_trips_s, num_throughput, raw_bursts_s),
+        summarize(
+            "engine core (AsyncCoreClient)", core_round_trips_s, num_throughput, core_bursts_s
+        ),
+    )
+
+
+async def _core_round_trip(client: AsyncCoreClient, index: int) -> float:
+    request = make_request(index)
+    start = time.perf_counter()
+    output = await client.add_request(request).get()
+    elapsed_s = time.perf_counter() - start
+    _check_output(output)
+    return elapsed_s
 
 
 async def _core_burst(client: AsyncCoreClient, first_index: int, num_requests: int) -> float:
@@ -298,16 +326,14 @@ def main() -> None:
         max_model_len=64,
     )
     request_frames, reply_frames = message_frames()
-    rows = []
-    for measure in (
-        lambda: measure_raw(
-            request_frames, reply_frames, num_round_trips, num_requests, num_repeats
-        ),
-        lambda: run_loop(measure_core(config, num_round_trips, num_requests, num_repeats)),
-        lambda: run_loop(measure_frontend(config, num_round_trips, num_requests // 2, num_repeats)),
-    ):
-        rows.append(measure())
-        row = rows[-1]
+    raw, core = run_loop(
+        measure_raw_and_core(
+            config, (request_frames, reply_frames), num_round_trips, num_requests, num_repeats
+        )
+    )
+    frontend = run_loop(measure_frontend(config, num_round_trips, num_requests // 2, num_repeats))
+    rows = [raw, core, frontend]
+    for row in rows:
         print(
             f"{row['path']}: round trip p50 {row['round_trip_us']['p50']:.0f} us, "
             f"{row['requests_per_s']:.0f} requests/s",
