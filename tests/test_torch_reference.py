@@ -54,7 +54,17 @@ def test_decode_rows_split_into_bounded_chunks_match_naive(monkeypatch):
     kv_cache = case.kv_cache
     bytes_per_longest = max(seq_lens) * 2 * 64 * 4
     monkeypatch.setattr(torch_reference, "DECODE_GATHER_BYTES", bytes_per_longest)
-    assert torch_reference._decode_chunks([0, 1, 2, 3], seq_lens, kv_cache) == [[0], [1], [2], [3]]
+    assert torch_reference._decode_chunks([0, 1, 2, 3], seq_lens, kv_cache) == [[2], [0], [3], [1]]
+    assert_matches_naive(case, run_reference(case))
+
+
+def test_decode_rows_of_similar_length_share_a_chunk():
+    """Requests are padded to their chunk's longest, so lengths far apart go to separate
+    chunks (longest first), and the answer is the same as the naive one."""
+    seq_lens = [100, 9, 80, 120, 10, 95, 12]
+    case = make_case(seq_lens, [1] * 7, num_heads=6, num_kv_heads=3, head_dim=64)
+    chunks = torch_reference._decode_chunks(list(range(7)), seq_lens, case.kv_cache)
+    assert chunks == [[3, 0, 5], [2], [6, 4, 1]]
     assert_matches_naive(case, run_reference(case))
 
 
