@@ -203,6 +203,20 @@ def default_hf_folder(model: str | None) -> Path:
 # ---- main ------------------------------------------------------------------------------------
 
 
+def token_passes(workload: GenerationWorkload, hf_batch_size: int) -> tuple[int, int]:
+    """(engine, transformers) token positions run through the model: the engine runs each
+    prompt once and each request's own output tokens after the first; transformers pads each
+    batch to its longest prompt and runs every row to the batch's longest max_tokens. Their
+    ratio is the speedup at equal cost per token position (attention aside)."""
+    engine = workload.num_prompt_tokens + sum(n - 1 for n in workload.max_tokens)
+    transformers = 0
+    for first in range(0, workload.num_prompts, hf_batch_size):
+        prompts = workload.prompt_token_ids[first : first + hf_batch_size]
+        longest_output = max(workload.max_tokens[first : first + hf_batch_size])
+        transformers += len(prompts) * (max(map(len, prompts)) + longest_output - 1)
+    return engine, transformers
+
+
 def compare(
     llm: LLM,
     baseline: TransformersBaseline,
@@ -219,6 +233,7 @@ def compare(
         for e, h in zip(engine_tokens, hf_tokens, strict=True)
     )
     num_tokens = workload.num_output_tokens
+    engine_passes, hf_passes = token_passes(workload, hf_batch_size)
     row = {
         "workload": workload.name,
         "description": workload.description,
@@ -230,6 +245,9 @@ def compare(
         "engine_output_tokens_per_s": num_tokens / engine_s,
         "transformers_output_tokens_per_s": num_tokens / hf_s,
         "speedup": hf_s / engine_s,
+        "engine_token_passes": engine_passes,
+        "transformers_token_passes": hf_passes,
+        "work_ratio": hf_passes / engine_passes,
         "num_requests_first_tokens_agree": num_agreeing,
     }
     print(
@@ -360,6 +378,7 @@ def render_markdown(result: dict) -> str:
             f"{row['engine_output_tokens_per_s']:.1f}",
             f"{row['transformers_output_tokens_per_s']:.1f}",
             f"**{row['speedup']:.2f}x**",
+            f"{row['work_ratio']:.2f}x",
             f"{row['num_requests_first_tokens_agree']}/{row['num_prompts']}",
         ]
         for row in result["rows"]
@@ -370,13 +389,18 @@ def render_markdown(result: dict) -> str:
             "engine output tok/s",
             "transformers output tok/s",
             "engine / transformers",
+            "token positions transformers / engine",
             f"same first {NUM_COMPARED_TOKENS} tokens",
         ],
         rows,
     )
     text = (
         f"### Offline throughput: `LLM.generate` vs transformers `generate` "
-        f"({result['device']}, {result['dtype']})\n\n{table}\n"
+        f"({result['device']}, {result['dtype']})\n\n{table}\n\n"
+        "Token positions: what each side runs through the model (transformers pads every prompt "
+        "to its batch's longest and runs every row to the batch's longest max_tokens); their "
+        "ratio is the speedup the engine gets from doing less work alone, at equal cost per "
+        "position.\n"
     )
     if result["mixed_speedup"] is not None:
         text += (

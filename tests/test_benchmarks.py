@@ -18,13 +18,22 @@ from pathlib import Path
 import pytest
 
 from frontend.null_tokenizer import NullTokenizer
-from scripts.bench_common import REPO_ROOT, markdown_table, percentiles
+from scripts.bench_common import REPO_ROOT, GenerationWorkload, markdown_table, percentiles
+from scripts.bench_offline import token_passes
 from scripts.bench_prefix_cache import BLOCK_SIZE, build_prompts, ideal_hits
 from scripts.bench_serving import arrival_offsets_s
 from scripts.plot_results import plot_serving, write_readme_section
 
 SCRIPT_TIMEOUT_S = 300
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_token_passes_count_padding_and_overgeneration_for_transformers_only():
+    workload = GenerationWorkload("w", "", [[1] * 3, [1] * 10, [1] * 4], [5, 2, 8])
+    engine, transformers = token_passes(workload, hf_batch_size=2)
+    assert engine == (3 + 10 + 4) + (4 + 1 + 7)
+    # batch 1: two rows padded to 10, run to 5 tokens; batch 2: one row of 4, run to 8.
+    assert transformers == 2 * (10 + 4) + 1 * (4 + 7)
 
 
 def run_quick(module: str, output_dir: Path, *extra: str) -> dict:
@@ -124,6 +133,7 @@ def test_bench_offline_quick(tmp_path):
         assert row["engine_output_tokens_per_s"] > 0
         assert row["transformers_output_tokens_per_s"] > 0
         assert row["speedup"] == pytest.approx(row["transformers_s"] / row["engine_s"])
+        assert row["transformers_token_passes"] >= row["engine_token_passes"] > 0
         assert row["num_output_tokens"] > 0 and row["num_prompt_tokens"] > row["num_prompts"]
         num_prompts += row["num_prompts"]
         num_agreeing += row["num_requests_first_tokens_agree"]
