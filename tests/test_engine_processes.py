@@ -21,6 +21,7 @@ import msgspec
 import pytest
 import zmq
 
+from core.executor import Executor
 from frontend.core_client import AsyncCoreClient, EngineDeadError
 from proto import (
     EngineCoreOutput,
@@ -31,6 +32,7 @@ from proto import (
     MessageDecoder,
     MessageEncoder,
     SamplingParams,
+    SchedulerOutput,
     SchedulerStats,
 )
 from proto.codec import TYPE_TO_CODE
@@ -228,6 +230,38 @@ def test_too_long_and_invalid_prompts_come_back_as_errors_and_the_engine_keeps_s
             assert tokens_of(fine) == [NULL_TOKEN_ID] * 3
 
     asyncio.run(scenario())
+
+
+def test_executor_serves_the_side_socket_while_it_waits_for_a_step():
+    """The core reads its DEALER while the workers run a step: a frame waiting when the step is
+    broadcast is handed to `on_input` before `execute_model` returns."""
+    context = zmq.Context()
+    side_in = context.socket(zmq.PULL)
+    side_in.bind("inproc://side")
+    side_out = context.socket(zmq.PUSH)
+    side_out.connect("inproc://side")
+    executor = Executor(EngineConfig(model="null"), context)
+    pids = [worker.process.pid for worker in executor.workers]
+    try:
+        executor.wait_until_ready()
+        executor.initialize_cache(16)
+        received = []
+
+        def on_input() -> None:
+            while side_in.poll(0):
+                received.append(side_in.recv())
+
+        executor.read_while_waiting(side_in, on_input)
+        side_out.send(b"a frame for the core")
+        output = executor.execute_model(SchedulerOutput([], [], {}, total_num_scheduled_tokens=0))
+        assert received == [b"a frame for the core"]
+        assert output.req_ids == []
+    finally:
+        executor.shutdown()
+        side_in.close(linger=0)
+        side_out.close(linger=0)
+        context.term()
+    assert not any(is_alive(pid) for pid in pids)
 
 
 def test_tensor_parallel_workers_all_start_and_rank_0_answers():
