@@ -4,8 +4,8 @@ The client binds ROUTER (requests, aborts, utility calls; the core's `EngineRead
 too and names the core's routing id) and PULL (outputs, utility answers, `EngineDead`), in a
 private 0700 ipc directory or on a given tcp address, then launches `python -m core` (or waits
 for one started by hand). Outputs are dispatched into per-request queues by a reader callback
-on the PULL socket's file descriptor, which reads with plain non-blocking calls: no future, task
-or timer per message (zmq.asyncio's await-per-message cost about 200 µs per round trip here).
+on the PULL socket's file descriptor, which reads with plain non-blocking calls: no future,
+timer or reader registration per poll and per message, as awaiting zmq.asyncio calls costs.
 A timer checks the core's liveness every POLL_INTERVAL_S.
 """
 
