@@ -32,42 +32,36 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # Messages are formatted only on failure: this runs in every process a request crosses.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.n >= 1, f"n must be at least 1, got {self.n}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(
-            self.top_k >= 0 or self.top_k == -1,
-            f"top_k must be >= 0 (0 disables), got {self.top_k}",
-        )
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 and self.top_k != -1:
+            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            f"max_tokens must be at least 1, got {self.max_tokens}",
-        )
-        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        _check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
-        )
-        _check(all(s for s in self.stop), "stop strings must not be empty")
-        _check(
-            all(t >= 0 for t in self.stop_token_ids),
-            f"stop_token_ids must be non-negative, got {self.stop_token_ids}",
-        )
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-        )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if not all(self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(token_id < 0 for token_id in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
