@@ -87,8 +87,7 @@ class AsyncCoreClient:
         self._output_decoder = MessageDecoder(
             [EngineCoreOutputs, UtilityResponse, EngineDead], config.max_frame_bytes
         )
-        self._liveness_timer: asyncio.TimerHandle | None = None
-        self._reading = False
+        self._liveness_timer: asyncio.TimerHandle | None = None  # set once dispatching starts
         self._core_routing_id: bytes | None = None
         self._process: subprocess.Popen | None = None
         self._ipc_dir: str | None = None
@@ -275,7 +274,6 @@ class AsyncCoreClient:
     def _start_dispatching(self) -> None:
         loop = asyncio.get_running_loop()
         loop.add_reader(self._pull.FD, self._read_outputs)
-        self._reading = True
         self._liveness_timer = loop.call_later(POLL_INTERVAL_S, self._check_core)
         self._read_outputs()  # the fd signals changes only: read what arrived before
 
@@ -376,11 +374,11 @@ class AsyncCoreClient:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _stop_dispatching(self) -> None:
-        if self._liveness_timer is not None:
-            self._liveness_timer.cancel()
-        if self._reading:
-            asyncio.get_running_loop().remove_reader(self._pull.FD)
-            self._reading = False
+        if self._liveness_timer is None:
+            return
+        self._liveness_timer.cancel()
+        self._liveness_timer = None
+        asyncio.get_running_loop().remove_reader(self._pull.FD)
 
     async def _stop_core_process(self) -> None:
         # The core stops its workers within about 2 * shutdown_timeout_s, then flushes.
