@@ -1,14 +1,15 @@
 """The one attention entry point the model calls: write new K/V, then paged attention.
 
 The backend is chosen by the cache's device: CUDA tensors go to the CuPy kernels when CuPy is
-installed, everything else to the torch reference.
+installed, CPU tensors to the C kernel of `cpu_backend` (which falls back to the torch reference
+without a C compiler), anything else to the torch reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import torch_reference
+from kernels import cpu_backend, torch_reference
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -37,4 +38,6 @@ def select_backend(device: torch.device):
 
         if cuda_backend.is_available():
             return cuda_backend
+    if device.type == "cpu":
+        return cpu_backend
     return torch_reference

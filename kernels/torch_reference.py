@@ -40,7 +40,7 @@ DECODE_MIN_FILL = 0.75
 
 
 @dataclass(slots=True, frozen=True)
-class _PrefillRequest:
+class PrefillRequest:
     """One request with more than one query token: rows q_start:q_end over seq_len keys."""
 
     q_start: int
@@ -70,7 +70,7 @@ class _DecodeChunk:
 class _AttentionPlan:
     """What one step's metadata means for this backend; built on the first layer only."""
 
-    prefills: list[_PrefillRequest]
+    prefills: list[PrefillRequest]
     decodes: list[_DecodeChunk]
 
 
@@ -92,7 +92,7 @@ def paged_attention(
         out = torch.empty_like(query)
     plan = _plan(metadata, kv_cache)
     for request in plan.prefills:
-        _prefill_attention(query, kv_cache, scale, out, request)
+        prefill_attention(query, kv_cache, scale, out, request)
     for chunk in plan.decodes:
         _decode_attention(query, kv_cache, scale, out, chunk)
     return out
@@ -118,17 +118,20 @@ def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _Attenti
         if q_len == 1:
             decode_rows.append(row)
         elif q_len > 1:
-            num_blocks = -(-seq_len // block_size)
-            prefills.append(
-                _PrefillRequest(
-                    starts[row], starts[row + 1], seq_len, block_table[row, :num_blocks]
-                )
-            )
+            prefills.append(prefill_request(row, starts, seq_len, block_table, block_size))
     decodes = [
         _decode_chunk(rows, starts, seq_lens, block_table, block_size)
         for rows in _decode_chunks(decode_rows, seq_lens, kv_cache)
     ]
     return _AttentionPlan(prefills, decodes)
+
+
+def prefill_request(
+    row: int, starts: list[int], seq_len: int, block_table: torch.Tensor, block_size: int
+) -> PrefillRequest:
+    """Request `row` of a step (`starts` = query_start_loc as a list, block_table int64)."""
+    num_blocks = -(-seq_len // block_size)
+    return PrefillRequest(starts[row], starts[row + 1], seq_len, block_table[row, :num_blocks])
 
 
 def _decode_chunks(rows: list[int], seq_lens: list[int], kv_cache: torch.Tensor) -> list[list[int]]:
@@ -182,12 +185,12 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     return rows.view(-1, num_kv_heads, head_dim)
 
 
-def _prefill_attention(
+def prefill_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     scale: float,
     out: torch.Tensor,
-    request: _PrefillRequest,
+    request: PrefillRequest,
 ) -> None:
     """One request's query tokens against its first `seq_len` cached tokens."""
     num_kv_heads = kv_cache.shape[3]

@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cuda_backend, select_backend, torch_reference, write_kv_and_attend
+from kernels import (
+    cpu_backend,
+    cuda_backend,
+    select_backend,
+    torch_reference,
+    write_kv_and_attend,
+)
 from tests.paged_attention_cases import make_case, naive_attention, write_new_tokens
 
 ATOL_FP32 = 1e-5
@@ -173,8 +179,10 @@ def test_write_kv_and_attend_on_cpu_matches_naive():
     )
 
 
-def test_select_backend_falls_back_to_reference_on_cpu():
-    assert select_backend(torch.device("cpu")) is torch_reference
+def test_select_backend_sends_cpu_to_the_cpu_backend():
+    """cpu_backend itself runs this reference when its C kernel cannot be built."""
+    assert select_backend(torch.device("cpu")) is cpu_backend
+    assert select_backend(torch.device("meta")) is torch_reference
 
 
 def test_select_backend_uses_reference_for_cuda_without_cupy(monkeypatch):
@@ -185,7 +193,7 @@ def test_select_backend_uses_reference_for_cuda_without_cupy(monkeypatch):
 def test_select_backend_picks_cuda_kernels_when_available(monkeypatch):
     monkeypatch.setattr(cuda_backend, "is_available", lambda: True)
     assert select_backend(torch.device("cuda")) is cuda_backend
-    assert select_backend(torch.device("cpu")) is torch_reference
+    assert select_backend(torch.device("cpu")) is cpu_backend
 
 
 def test_cuda_backend_is_unavailable_without_a_device():

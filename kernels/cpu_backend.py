@@ -1,0 +1,121 @@
+"""CPU backend: a C kernel for short queries, the torch reference's SDPA for long ones.
+
+Same functions and contracts as `kernels/torch_reference.py`. Requests with at most
+SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks) go to `cpu_paged_attention.c`, which
+reads K/V straight from the paged cache: no gather copy, no padding to a chunk's longest
+request. Longer queries (prefill chunks) are matmul-bound and stay on SDPA's fused kernel.
+The C kernel is float32 only; other dtypes run wholly on the torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_kernel_loader, torch_reference
+from kernels.attention_metadata import AttentionMetadata
+
+# Above this many query tokens a request is faster through SDPA's blocked matmuls (the
+# crossover measured 6-8 tokens at contexts of 300 and 1,000 here).
+SHORT_QUERY_MAX_TOKENS = 4
+
+reshape_and_cache = torch_reference.reshape_and_cache
+
+
+def is_available() -> bool:
+    """Whether the C kernel is built and loadable on this machine."""
+    return cpu_kernel_loader.load() is not None
+
+
+@dataclass(slots=True, frozen=True)
+class _CpuPlan:
+    """One step's split: short requests for the kernel, long ones for SDPA."""
+
+    short_requests: torch.Tensor  # int32 [S]: request indices
+    max_rows_x_len: int  # max over short requests of q_len * H_q * seq_len
+    long_requests: list[torch_reference.PrefillRequest]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal."""
+    library = cpu_kernel_loader.load()
+    if library is None or kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu":
+        return torch_reference.paged_attention(query, kv_cache, metadata, scale, out)
+    dtype = query.dtype
+    result = torch.empty(query.shape, dtype=torch.float32)
+    query = query.float().contiguous()
+    plan = _plan(metadata, kv_cache, num_q_heads=query.shape[1])
+    for request in plan.long_requests:
+        torch_reference.prefill_attention(query, kv_cache, scale, result, request)
+    if len(plan.short_requests):
+        _run_kernel(library, query, kv_cache, metadata, scale, plan, result)
+    if out is None:
+        return result.to(dtype)
+    return out.copy_(result)
+
+
+def _run_kernel(library, query, kv_cache, metadata, scale, plan, result) -> None:
+    kv_cache = kv_cache.contiguous()
+    block_table = metadata.block_table.to(torch.int32).contiguous()
+    seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
+    query_start = metadata.query_start_loc.to(torch.int32).contiguous()
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    status = library.paged_attention_f32(
+        query.data_ptr(),
+        kv_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.shape[1],
+        seq_lens.data_ptr(),
+        query_start.data_ptr(),
+        plan.short_requests.data_ptr(),
+        len(plan.short_requests),
+        num_blocks,
+        block_size,
+        query.shape[1],
+        num_kv_heads,
+        head_dim,
+        scale,
+        plan.max_rows_x_len,
+        result.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError(
+            f"CPU attention could not allocate {plan.max_rows_x_len * 4} bytes of scores"
+        )
+
+
+def _plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, num_q_heads: int) -> _CpuPlan:
+    """The step's plan, cached in the metadata for the layers after the first."""
+    key = ("cpu", tuple(kv_cache.shape[2:]), num_q_heads)
+    plan = metadata.backend_cache.get(key)
+    if plan is None:
+        plan = metadata.backend_cache[key] = _build_plan(metadata, kv_cache, num_q_heads)
+    return plan
+
+
+def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, num_q_heads: int) -> _CpuPlan:
+    block_size = kv_cache.shape[2]
+    starts = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    short, long_requests, max_rows_x_len = [], [], 0
+    block_table = None
+    for row, seq_len in enumerate(seq_lens):
+        q_len = starts[row + 1] - starts[row]
+        if 0 < q_len <= SHORT_QUERY_MAX_TOKENS:
+            short.append(row)
+            max_rows_x_len = max(max_rows_x_len, q_len * num_q_heads * seq_len)
+        elif q_len > SHORT_QUERY_MAX_TOKENS:
+            if block_table is None:
+                block_table = metadata.block_table.long()
+            long_requests.append(
+                torch_reference.prefill_request(row, starts, seq_len, block_table, block_size)
+            )
+    return _CpuPlan(torch.tensor(short, dtype=torch.int32), max_rows_x_len, long_requests)

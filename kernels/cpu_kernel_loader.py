@@ -1,0 +1,130 @@
+"""Builds the C kernels of the CPU backend with the system compiler, once per machine.
+
+The shared library is compiled with `-march=native`, so it is cached under a key made of the
+source text, the compile command, the compiler's version and this CPU's model and flags:
+a cache directory shared by different machines never hands one a library built for another.
+Builds go to a temporary file renamed into place, so concurrent workers are safe.
+
+Nothing here is required: without a C compiler (or with CORE_ENGINE_CPU_KERNELS=0) `load`
+returns None and the engine runs the torch reference instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "cpu_paged_attention.c"
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+DISABLE_ENV = "CORE_ENGINE_CPU_KERNELS"
+CACHE_ENV = "CORE_ENGINE_KERNEL_CACHE"
+COMPILE_TIMEOUT_S = 120
+
+
+def cache_dir() -> Path:
+    """$CORE_ENGINE_KERNEL_CACHE, else $XDG_CACHE_HOME/core-engine/cpu-kernels (~/.cache)."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "core-engine" / "cpu-kernels"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library with its argument types set, or None (logged once)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler (cc/gcc/$CC): CPU attention runs the torch reference")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU attention kernel unavailable, using the torch reference: %s", exc)
+        return None
+    _declare(library)
+    return library
+
+
+def _build(compiler: str) -> Path:
+    """The cached library for this source, compiler and CPU; compiled if missing."""
+    command = [compiler, *COMPILE_FLAGS]
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(command).encode(), _compiler_version(compiler)):
+        key.update(part)
+    key.update(_cpu_identity())
+    target = cache_dir() / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=f"{target.stem}.", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [*command, "-o", staging, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        if result.returncode != 0:
+            raise OSError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(staging, target)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return target
+
+
+def _compiler_version(compiler: str) -> bytes:
+    result = subprocess.run(
+        [compiler, "--version"], capture_output=True, timeout=COMPILE_TIMEOUT_S, check=True
+    )
+    return result.stdout
+
+
+def _cpu_identity() -> bytes:
+    """The CPU's model name and flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    function = library.paged_attention_f32
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        pointer,  # query
+        pointer,  # kv_cache
+        pointer,  # block_table
+        i64,  # block_table_stride
+        pointer,  # seq_lens
+        pointer,  # query_start
+        pointer,  # requests
+        i32,  # num_requests
+        i64,  # num_cache_blocks
+        i32,  # block_size
+        i32,  # num_q_heads
+        i32,  # num_kv_heads
+        i32,  # head_dim
+        ctypes.c_float,  # scale
+        i64,  # max_rows_x_len
+        pointer,  # out
+        i32,  # num_threads
+    ]

@@ -1,0 +1,200 @@
+"""The CPU backend (C kernel for short queries, SDPA for long ones) against naive attention.
+
+Same cases as the torch reference's tests (lengths around block edges, mixed batches, GQA
+groups, head sizes, block sizes, NaN-poisoned unused slots), plus what is the backend's own:
+the split between the kernel and SDPA, OpenMP threads, the build cache and the fallbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from kernels import cpu_backend, cpu_kernel_loader, select_backend, torch_reference
+from tests.paged_attention_cases import make_case, naive_attention
+
+ATOL_FP32 = 1e-5
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler on this machine: the CPU backend is the torch reference here",
+)
+
+
+def run_backend(case) -> torch.Tensor:
+    cpu_backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    return cpu_backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+
+
+def assert_matches_naive(case, out: torch.Tensor, atol: float = ATOL_FP32) -> None:
+    real = out[: case.num_real_tokens]
+    assert not torch.isnan(real).any(), "NaN leaked from unused cache slots"
+    torch.testing.assert_close(real.double(), naive_attention(case), atol=atol, rtol=0)
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader with an empty build cache in tmp_path, forgotten again afterwards."""
+    monkeypatch.setenv(cpu_kernel_loader.CACHE_ENV, str(tmp_path))
+    cpu_kernel_loader.load.cache_clear()
+    yield tmp_path
+    cpu_kernel_loader.load.cache_clear()
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    assert cpu_backend.is_available()
+    assert select_backend(torch.device("cpu")) is cpu_backend
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [
+        pytest.param([1], [1], id="context-1"),
+        pytest.param([15, 16, 17], [1, 1, 1], id="decode-block-pm1"),
+        pytest.param([15, 16, 17], [2, 3, 4], id="short-chunks-block-pm1"),
+        pytest.param([33, 16, 17], [2, 16, 1], id="short-and-long"),
+        pytest.param([1, 70, 5, 130, 48, 300], [1, 30, 5, 1, 17, 4], id="mixed"),
+    ],
+)
+def test_lengths_match_naive(seq_lens, q_lens):
+    case = make_case(
+        seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=64, num_padding_tokens=3
+    )
+    assert_matches_naive(case, run_backend(case))
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 4, 7, 8])
+def test_gqa_groups_match_naive(group_size):
+    case = make_case(
+        [9, 40, 23, 61],
+        [1, 3, 23, 1],
+        num_heads=2 * group_size,
+        num_kv_heads=2,
+        head_dim=64,
+        seed=group_size,
+    )
+    assert_matches_naive(case, run_backend(case))
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_head_dims_match_naive(head_dim):
+    """64 and 128 take the unrolled paths, 96 and 256 the generic one."""
+    case = make_case(
+        [20, 37, 5], [20, 1, 2], num_heads=4, num_kv_heads=2, head_dim=head_dim, seed=head_dim
+    )
+    assert_matches_naive(case, run_backend(case))
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32, 48])
+def test_block_sizes_match_naive(block_size):
+    seq_lens = [block_size - 1 or 1, block_size, block_size + 1, 3 * block_size + 5]
+    case = make_case(seq_lens, [1, 1, 2, 4], 6, 3, 64, block_size=block_size)
+    assert_matches_naive(case, run_backend(case))
+
+
+def test_poisoned_cache_slots_never_leak():
+    """Every slot the batch does not own is NaN, including block-table padding (block 0)."""
+    case = make_case([3, 17, 40], [1, 2, 1], 4, 2, 64, poison=True, num_padding_tokens=2)
+    out = run_backend(case)
+    assert torch.isnan(case.kv_cache).any(), "the case must really be poisoned"
+    assert not torch.isnan(out[: case.num_real_tokens]).any()
+
+
+def test_long_context_decode_matches_naive():
+    case = make_case([2049, 700], [1, 1], 9, 3, 64, seed=5)
+    assert_matches_naive(case, run_backend(case))
+
+
+def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa():
+    case = make_case([10, 30, 12, 8], [1, 4, 5, 0], 4, 2, 64)
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, num_q_heads=4)
+    assert plan.short_requests.tolist() == [0, 1]
+    assert plan.max_rows_x_len == max(1 * 4 * 10, 4 * 4 * 30)
+    assert [(r.q_start, r.q_end, r.seq_len) for r in plan.long_requests] == [(5, 10, 12)]
+
+
+def test_kernel_alone_handles_queries_beyond_the_short_limit(monkeypatch):
+    """The kernel is exact for any query length; the limit is a speed choice only."""
+    monkeypatch.setattr(cpu_backend, "SHORT_QUERY_MAX_TOKENS", 10**6)
+    case = make_case([40, 33, 17], [40, 9, 17], 6, 2, 64, seed=3)
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, num_q_heads=6)
+    assert plan.long_requests == []
+    assert_matches_naive(case, run_backend(case))
+
+
+def test_threads_give_the_same_answer():
+    case = make_case([50, 7, 90, 33, 16], [1, 1, 2, 1, 4], 8, 2, 64, seed=11)
+    one_thread = run_backend(case)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        case.metadata.backend_cache.clear()
+        two_threads = cpu_backend.paged_attention(
+            case.query, case.kv_cache, case.metadata, case.scale
+        )
+    finally:
+        torch.set_num_threads(threads)
+    real = case.num_real_tokens
+    torch.testing.assert_close(two_threads[:real], one_thread[:real], atol=0, rtol=0)
+
+
+def test_requests_with_no_query_tokens_are_skipped():
+    case = make_case([5, 9, 4], [0, 1, 0], 4, 2, 64)
+    assert_matches_naive(case, run_backend(case))
+
+
+def test_empty_batch_returns_empty_output():
+    case = make_case([], [], 4, 2, 64)
+    out = cpu_backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    assert out.shape == (0, 4, 64)
+
+
+def test_out_argument_is_filled_and_returned():
+    case = make_case([12, 4], [3, 1], 4, 2, 64)
+    cpu_backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    out = torch.zeros_like(case.query)
+    returned = cpu_backend.paged_attention(
+        case.query, case.kv_cache, case.metadata, case.scale, out=out
+    )
+    assert returned is out
+    assert_matches_naive(case, out)
+
+
+def test_bfloat16_cache_runs_the_reference():
+    case = make_case([30, 9], [10, 1], 4, 1, 64, dtype=torch.bfloat16)
+    out = run_backend(case)
+    expected = torch_reference.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[: case.num_real_tokens], expected[: case.num_real_tokens])
+
+
+def test_build_is_cached_on_disk(fresh_loader):
+    library = cpu_kernel_loader.load()
+    assert library is not None
+    (built,) = fresh_loader.glob("cpu_paged_attention-*.so")
+    mtime = built.stat().st_mtime_ns
+    cpu_kernel_loader.load.cache_clear()
+    assert cpu_kernel_loader.load() is not None
+    assert [p.name for p in fresh_loader.iterdir()] == [built.name], "no leftover staging files"
+    assert built.stat().st_mtime_ns == mtime, "a cached build must not be recompiled"
+
+
+def test_failed_build_falls_back_to_the_reference(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel_loader.__name__):
+        assert cpu_kernel_loader.load() is None
+    assert "torch reference" in caplog.text
+    assert list(fresh_loader.iterdir()) == [], "a failed build leaves nothing behind"
+    case = make_case([20, 6], [1, 6], 4, 2, 64)
+    assert_matches_naive(case, run_backend(case))
+
+
+def test_disabled_by_environment(fresh_loader, monkeypatch):
+    monkeypatch.setenv(cpu_kernel_loader.DISABLE_ENV, "0")
+    assert cpu_kernel_loader.load() is None
+    assert not cpu_backend.is_available()
+    assert not os.listdir(fresh_loader)
