@@ -4,7 +4,8 @@ Same functions and contracts as `kernels/torch_reference.py`. Requests with at m
 SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks) go to `cpu_paged_attention.c`, which
 reads K/V straight from the paged cache: no gather copy, no padding to a chunk's longest
 request. Longer queries (prefill chunks) are matmul-bound and stay on SDPA's fused kernel.
-The C kernel is float32 only; other dtypes run wholly on the torch reference.
+The C kernel is float32 only, and its head size must be a multiple of its vector width; other
+caches run wholly on the torch reference.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from kernels import cpu_kernel_loader, torch_reference
 from kernels.attention_metadata import AttentionMetadata
 
 # Above this many query tokens a request is faster through SDPA's blocked matmuls (the
-# crossover measured 6-8 tokens at contexts of 300 and 1,000 here).
-SHORT_QUERY_MAX_TOKENS = 4
+# crossover measured about 32 tokens at contexts of 300 to 2,000 here).
+SHORT_QUERY_MAX_TOKENS = 16
 
 reshape_and_cache = torch_reference.reshape_and_cache
 
@@ -33,7 +34,7 @@ class _CpuPlan:
     """One step's split: short requests for the kernel, long ones for SDPA."""
 
     short_requests: torch.Tensor  # int32 [S]: request indices
-    max_rows_x_len: int  # max over short requests of q_len * H_q * seq_len
+    max_query_x_seq_len: int  # max over the short requests of q_len * seq_len
     long_requests: list[torch_reference.PrefillRequest]
 
 
@@ -46,12 +47,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal."""
     library = cpu_kernel_loader.load()
-    if library is None or kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu":
+    if library is None or not _kernel_supports(library, kv_cache):
         return torch_reference.paged_attention(query, kv_cache, metadata, scale, out)
     dtype = query.dtype
     result = torch.empty(query.shape, dtype=torch.float32)
     query = query.float().contiguous()
-    plan = _plan(metadata, kv_cache, num_q_heads=query.shape[1])
+    plan = _plan(metadata, kv_cache)
     for request in plan.long_requests:
         torch_reference.prefill_attention(query, kv_cache, scale, result, request)
     if len(plan.short_requests):
@@ -61,12 +62,24 @@ def paged_attention(
     return out.copy_(result)
 
 
+def _kernel_supports(library, kv_cache: torch.Tensor) -> bool:
+    """float32 CPU caches whose head size fits the kernel's vector width (16 with AVX-512)."""
+    head_dim = kv_cache.shape[4]
+    return (
+        kv_cache.dtype == torch.float32
+        and kv_cache.device.type == "cpu"
+        and head_dim % library.paged_attention_vector_floats() == 0
+    )
+
+
 def _run_kernel(library, query, kv_cache, metadata, scale, plan, result) -> None:
     kv_cache = kv_cache.contiguous()
     block_table = metadata.block_table.to(torch.int32).contiguous()
     seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
     query_start = metadata.query_start_loc.to(torch.int32).contiguous()
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_q_heads = query.shape[1]
+    scratch_floats = plan.max_query_x_seq_len * num_q_heads
     status = library.paged_attention_f32(
         query.data_ptr(),
         kv_cache.data_ptr(),
@@ -78,44 +91,43 @@ def _run_kernel(library, query, kv_cache, metadata, scale, plan, result) -> None
         len(plan.short_requests),
         num_blocks,
         block_size,
-        query.shape[1],
+        num_q_heads,
         num_kv_heads,
         head_dim,
         scale,
-        plan.max_rows_x_len,
+        scratch_floats,
         result.data_ptr(),
         torch.get_num_threads(),
     )
     if status != 0:
-        raise MemoryError(
-            f"CPU attention could not allocate {plan.max_rows_x_len * 4} bytes of scores"
-        )
+        raise MemoryError(f"CPU attention could not allocate {scratch_floats * 4} bytes of scores")
 
 
-def _plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, num_q_heads: int) -> _CpuPlan:
+def _plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _CpuPlan:
     """The step's plan, cached in the metadata for the layers after the first."""
-    key = ("cpu", tuple(kv_cache.shape[2:]), num_q_heads)
+    key = ("cpu", kv_cache.shape[2])
     plan = metadata.backend_cache.get(key)
     if plan is None:
-        plan = metadata.backend_cache[key] = _build_plan(metadata, kv_cache, num_q_heads)
+        plan = metadata.backend_cache[key] = _build_plan(metadata, kv_cache)
     return plan
 
 
-def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, num_q_heads: int) -> _CpuPlan:
+def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _CpuPlan:
     block_size = kv_cache.shape[2]
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
-    short, long_requests, max_rows_x_len = [], [], 0
+    short, long_requests, max_query_x_seq_len = [], [], 0
     block_table = None
     for row, seq_len in enumerate(seq_lens):
         q_len = starts[row + 1] - starts[row]
         if 0 < q_len <= SHORT_QUERY_MAX_TOKENS:
             short.append(row)
-            max_rows_x_len = max(max_rows_x_len, q_len * num_q_heads * seq_len)
+            max_query_x_seq_len = max(max_query_x_seq_len, q_len * seq_len)
         elif q_len > SHORT_QUERY_MAX_TOKENS:
             if block_table is None:
                 block_table = metadata.block_table.long()
             long_requests.append(
                 torch_reference.prefill_request(row, starts, seq_len, block_table, block_size)
             )
-    return _CpuPlan(torch.tensor(short, dtype=torch.int32), max_rows_x_len, long_requests)
+    short_requests = torch.tensor(short, dtype=torch.int32)
+    return _CpuPlan(short_requests, max_query_x_seq_len, long_requests)

@@ -107,6 +107,8 @@ def _cpu_identity() -> bytes:
 
 def _declare(library: ctypes.CDLL) -> None:
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    library.paged_attention_vector_floats.restype = ctypes.c_int
+    library.paged_attention_vector_floats.argtypes = []
     function = library.paged_attention_f32
     function.restype = ctypes.c_int
     function.argtypes = [

@@ -4,18 +4,32 @@
 // block table: no gather copy, no padding, and slots past a request's length (or past a query
 // token's causal limit) are never read, so NaN there cannot reach the output.
 //
-// One work item is one request: it reads the request's K tokens in order (a token's KV heads are
-// contiguous), each K vector serving its whole query-head group (GQA) and filling one score row
-// per (query token, query head); then softmax per row; then one pass over V accumulates the
-// outputs. Requests run in parallel over `num_threads` OpenMP threads (1 = the calling thread).
-// Decoding is bound by reading the cache: the next block of a request is prefetched while one
-// is read, and exp is a vectorizable polynomial.
+// One work item is one request. Its score rows are (query token t, query head): a first pass
+// reads the request's K block by block (a block is contiguous in memory, a token's KV heads
+// side by side), each K vector serving its whole query-head group (GQA); then softmax per
+// row; then a pass over V adds each block's weighted sum into the output rows, accumulating
+// in registers. Decoding is bound by reading the cache, so the next block is prefetched while
+// one is read (blocks are scattered: the hardware prefetcher cannot follow), and exp is a
+// polynomial the compiler vectorizes. Requests run in parallel over `num_threads` OpenMP
+// threads (1 = the calling thread only).
 // Built by kernels/cpu_kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VECTOR_FLOATS 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VECTOR_FLOATS 8
+#else
+#define VECTOR_FLOATS 1
+#endif
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
 
 typedef struct {
     const float* query;          // [T, H_q, D]
@@ -32,21 +46,62 @@ typedef struct {
     float scale;
 } Problem;
 
-static inline float dot(const float* a, const float* b, int32_t n) {
+// One request as the passes see it.
+typedef struct {
+    const int32_t* blocks;  // its block table row
+    const float* query;     // its first query row
+    float* out;             // its first output row
+    int32_t q_len;
+    int32_t seq_len;
+    int32_t context;        // query token t sits at position context + t, sees keys ..context + t
+    int32_t group;          // query heads per KV head
+    int64_t token_stride;   // floats from one cached token to the next (H_kv * D)
+} Request;
+
+// a . b over n floats; the vector paths need n % VECTOR_FLOATS == 0 (the caller checks).
+static inline float dot(const float* restrict a, const float* restrict b, int32_t n) {
+#if VECTOR_FLOATS == 16
+    __m512 sum = _mm512_setzero_ps();
+    for (int32_t d = 0; d < n; d += 16)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), sum);
+    return _mm512_reduce_add_ps(sum);
+#elif VECTOR_FLOATS == 8
+    __m256 sum = _mm256_setzero_ps();
+    for (int32_t d = 0; d < n; d += 8)
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), sum);
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+#else
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int32_t d = 0; d < n; ++d) sum += a[d] * b[d];
     return sum;
+#endif
 }
 
-// Asks for the `num_floats` at `address` to be brought into cache (a hint; GCC and Clang).
-static inline void prefetch(const float* address, int64_t num_floats) {
-    for (int64_t offset = 0; offset < num_floats; offset += 16) __builtin_prefetch(address + offset);
-}
-
-static inline void add_scaled(float* acc, const float* v, float weight, int32_t n) {
+// out += sum over keys of weights[key] * v[key * stride], n floats; with AVX-512 (n <= 256)
+// the sum stays in registers and `out` is read and written once.
+static inline void add_weighted_sum(float* restrict out, const float* restrict v, int64_t stride,
+                                    const float* restrict weights, int32_t num_keys, int32_t n) {
+#if VECTOR_FLOATS == 16
+    if (n <= 256) {
+        __m512 acc[16];
+        for (int32_t c = 0; c < n / 16; ++c) acc[c] = _mm512_loadu_ps(out + c * 16);
+        for (int32_t key = 0; key < num_keys; ++key, v += stride) {
+            const __m512 weight = _mm512_set1_ps(weights[key]);
+            for (int32_t c = 0; c < n / 16; ++c)
+                acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + c * 16), acc[c]);
+        }
+        for (int32_t c = 0; c < n / 16; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
+        return;
+    }
+#endif
+    for (int32_t key = 0; key < num_keys; ++key, v += stride) {
+        const float weight = weights[key];
 #pragma omp simd
-    for (int32_t d = 0; d < n; ++d) acc[d] += weight * v[d];
+        for (int32_t d = 0; d < n; ++d) out[d] += weight * v[d];
+    }
 }
 
 // exp(x) for x <= 0 to about 2 ulp, in a form the compiler vectorizes (glibc's expf only
@@ -69,48 +124,46 @@ static inline float exp_nonpositive(float x) {
     return p * two_to_n;
 }
 
-// Scores of one cached token (all its KV heads contiguous at `k`) for query tokens
-// first_token..q_len-1: row (t * H_q + h * group + g) gets query head h * group + g of token t.
-static inline void score_key(const float* query, const float* k, float* scores, int64_t key,
-                             int64_t seq_len, int32_t first_token, int32_t q_len,
-                             int32_t num_kv_heads, int32_t group, int32_t head_dim, float scale) {
-    const int32_t num_q_heads = num_kv_heads * group;
-    for (int32_t t = first_token; t < q_len; ++t) {
-        for (int32_t h = 0; h < num_kv_heads; ++h) {
-            const int64_t first_row = (int64_t)t * num_q_heads + (int64_t)h * group;
-            for (int32_t g = 0; g < group; ++g) {
-                const int64_t row = first_row + g;
-                scores[row * seq_len + key] =
-                    dot(query + row * head_dim, k + (int64_t)h * head_dim, head_dim) * scale;
-            }
-        }
-    }
+// The cached rows of tokens start.. (to the end of start's block), all KV heads.
+static inline const float* block_rows(const Problem* p, const Request* r, const float* cache,
+                                      int32_t start) {
+    const int64_t slot = (int64_t)r->blocks[start / p->block_size] * p->block_size;
+    return cache + (slot + start % p->block_size) * r->token_stride;
 }
 
-// The same walk for values: out rows accumulate weight * V of this token.
-static inline void accumulate_value(const float* v, const float* scores, float* out, int64_t key,
-                                    int64_t seq_len, int32_t first_token, int32_t q_len,
-                                    int32_t num_kv_heads, int32_t group, int32_t head_dim) {
-    const int32_t num_q_heads = num_kv_heads * group;
-    for (int32_t t = first_token; t < q_len; ++t) {
-        for (int32_t h = 0; h < num_kv_heads; ++h) {
-            const int64_t first_row = (int64_t)t * num_q_heads + (int64_t)h * group;
-            for (int32_t g = 0; g < group; ++g) {
-                const int64_t row = first_row + g;
-                add_scaled(out + row * head_dim, v + (int64_t)h * head_dim,
-                           scores[row * seq_len + key], head_dim);
+// Hints that one token's row (all KV heads) will be read soon (GCC and Clang builtin).
+static inline void prefetch_row(const float* row, int64_t num_floats) {
+    for (int64_t offset = 0; offset < num_floats; offset += 16) __builtin_prefetch(row + offset);
+}
+
+// Score rows t * H_q + head, `seq_len` floats apart: the scaled dot products of every query
+// row with the keys of one block, start..end-1. Token `key - start` of the next block
+// (`next`, or NULL) is prefetched alongside.
+static inline void score_block(const Problem* p, const Request* r, const float* k,
+                               const float* next, int32_t start, int32_t end, int32_t head_dim,
+                               float* scores) {
+    const int32_t num_q_heads = p->num_q_heads;
+    for (int32_t key = start; key < end; ++key, k += r->token_stride) {
+        if (next != NULL) prefetch_row(next + (key - start) * r->token_stride, r->token_stride);
+        const int32_t first_token = key > r->context ? key - r->context : 0;
+        for (int32_t t = first_token; t < r->q_len; ++t) {
+            int64_t row = (int64_t)t * num_q_heads;
+            for (int32_t kv_head = 0; kv_head < p->num_kv_heads; ++kv_head) {
+                const float* k_head = k + (int64_t)kv_head * head_dim;
+                for (int32_t g = 0; g < r->group; ++g, ++row)
+                    scores[row * r->seq_len + key] =
+                        dot(r->query + row * head_dim, k_head, head_dim) * p->scale;
             }
         }
     }
 }
 
 // Each score row becomes its softmax over the keys its query token sees.
-static inline void softmax_rows(float* scores, int64_t seq_len, int32_t context, int32_t q_len,
-                                int32_t num_q_heads) {
-    for (int32_t t = 0; t < q_len; ++t) {
-        const int32_t visible = context + t + 1;
-        for (int32_t head = 0; head < num_q_heads; ++head) {
-            float* row = scores + ((int64_t)t * num_q_heads + head) * seq_len;
+static inline void softmax_rows(const Problem* p, const Request* r, float* scores) {
+    for (int32_t t = 0; t < r->q_len; ++t) {
+        const int32_t visible = r->context + t + 1;
+        for (int32_t head = 0; head < p->num_q_heads; ++head) {
+            float* row = scores + ((int64_t)t * p->num_q_heads + head) * r->seq_len;
             float max_score = row[0];
 #pragma omp simd reduction(max : max_score)
             for (int32_t key = 1; key < visible; ++key)
@@ -128,55 +181,62 @@ static inline void softmax_rows(float* scores, int64_t seq_len, int32_t context,
     }
 }
 
-// Request `req`: its query token t sits at position context + t and sees keys 0..context + t.
-// `scores` holds q_len * H_q * seq_len floats. Keys are read token by token, block by block
-// (a token's KV heads are contiguous), each K/V vector serving its whole query-head group.
-static inline void attend_request(const Problem* p, int32_t req, int32_t head_dim,
-                                  float* scores) {
-    const int32_t q_begin = p->query_start[req];
-    const int32_t q_len = p->query_start[req + 1] - q_begin;
-    const int32_t seq_len = p->seq_lens[req];
-    const int32_t context = seq_len - q_len;
-    const int32_t num_kv_heads = p->num_kv_heads;
-    const int32_t group = p->num_q_heads / num_kv_heads;
-    const int32_t block_size = p->block_size;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    const int32_t* blocks = p->block_table + (int64_t)req * p->block_table_stride;
-    const float* query = p->query + (int64_t)q_begin * p->num_q_heads * head_dim;
-    float* out = p->out + (int64_t)q_begin * p->num_q_heads * head_dim;
-
-    const int32_t num_blocks = (seq_len + block_size - 1) / block_size;
-    // While one block is read, the same token of the next block is prefetched: blocks are
-    // scattered, so the hardware prefetcher cannot follow from one to the next.
-    for (int32_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-        const float* k = p->key_cache + (int64_t)blocks[b] * block_size * token_stride;
-        const float* next = b + 1 < num_blocks
-            ? p->key_cache + (int64_t)blocks[b + 1] * block_size * token_stride : NULL;
-        const int32_t end = start + block_size < seq_len ? start + block_size : seq_len;
-        for (int32_t key = start; key < end; ++key, k += token_stride) {
-            if (next != NULL) prefetch(next + (int64_t)(key - start) * token_stride, token_stride);
-            const int32_t first_token = key > context ? key - context : 0;
-            score_key(query, k, scores, key, seq_len, first_token, q_len, num_kv_heads, group,
-                      head_dim, p->scale);
-        }
+// Output rows += softmax weights * V over the keys start..end-1 of one block that each query
+// token sees; `next` as in score_block.
+static inline void value_block(const Problem* p, const Request* r, const float* v,
+                               const float* next, int32_t start, int32_t end, int32_t head_dim,
+                               const float* scores) {
+    if (next != NULL) {
+        for (int32_t key = start; key < end; ++key)
+            prefetch_row(next + (key - start) * r->token_stride, r->token_stride);
     }
-    softmax_rows(scores, seq_len, context, q_len, p->num_q_heads);
-    memset(out, 0, sizeof(float) * q_len * p->num_q_heads * head_dim);
-    for (int32_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-        const float* v = p->value_cache + (int64_t)blocks[b] * block_size * token_stride;
-        const float* next = b + 1 < num_blocks
-            ? p->value_cache + (int64_t)blocks[b + 1] * block_size * token_stride : NULL;
-        const int32_t end = start + block_size < seq_len ? start + block_size : seq_len;
-        for (int32_t key = start; key < end; ++key, v += token_stride) {
-            if (next != NULL) prefetch(next + (int64_t)(key - start) * token_stride, token_stride);
-            const int32_t first_token = key > context ? key - context : 0;
-            accumulate_value(v, scores, out, key, seq_len, first_token, q_len, num_kv_heads,
-                             group, head_dim);
+    const int32_t num_q_heads = p->num_q_heads;
+    for (int32_t t = 0; t < r->q_len; ++t) {
+        const int32_t visible_end = MIN(end, r->context + t + 1);
+        if (visible_end <= start) continue;
+        int64_t row = (int64_t)t * num_q_heads;
+        for (int32_t kv_head = 0; kv_head < p->num_kv_heads; ++kv_head) {
+            const float* v_head = v + (int64_t)kv_head * head_dim;
+            for (int32_t g = 0; g < r->group; ++g, ++row)
+                add_weighted_sum(r->out + row * head_dim, v_head, r->token_stride,
+                                 scores + row * r->seq_len + start, visible_end - start,
+                                 head_dim);
         }
     }
 }
 
-// Head sizes known at compile time get fully unrolled dot products.
+// Request `req`; `scores` holds q_len * H_q * seq_len floats.
+static inline void attend_request(const Problem* p, int32_t req, int32_t head_dim,
+                                  float* scores) {
+    const int32_t q_begin = p->query_start[req];
+    Request r = {
+        .blocks = p->block_table + (int64_t)req * p->block_table_stride,
+        .query = p->query + (int64_t)q_begin * p->num_q_heads * head_dim,
+        .out = p->out + (int64_t)q_begin * p->num_q_heads * head_dim,
+        .q_len = p->query_start[req + 1] - q_begin,
+        .seq_len = p->seq_lens[req],
+        .group = p->num_q_heads / p->num_kv_heads,
+        .token_stride = (int64_t)p->num_kv_heads * head_dim,
+    };
+    r.context = r.seq_len - r.q_len;
+    const int32_t block_size = p->block_size;
+    for (int32_t start = 0; start < r.seq_len; start += block_size) {
+        const int32_t end = MIN(start + block_size, r.seq_len);
+        const float* next = end < r.seq_len ? block_rows(p, &r, p->key_cache, end) : NULL;
+        score_block(p, &r, block_rows(p, &r, p->key_cache, start), next, start, end, head_dim,
+                    scores);
+    }
+    softmax_rows(p, &r, scores);
+    memset(r.out, 0, sizeof(float) * r.q_len * p->num_q_heads * head_dim);
+    for (int32_t start = 0; start < r.seq_len; start += block_size) {
+        const int32_t end = MIN(start + block_size, r.seq_len);
+        const float* next = end < r.seq_len ? block_rows(p, &r, p->value_cache, end) : NULL;
+        value_block(p, &r, block_rows(p, &r, p->value_cache, start), next, start, end, head_dim,
+                    scores);
+    }
+}
+
+// Head sizes known at compile time get fully unrolled loops.
 static inline void attend(const Problem* p, int32_t req, int32_t head_dim, float* scores) {
     switch (head_dim) {
         case 64: attend_request(p, req, 64, scores); break;
@@ -185,10 +245,13 @@ static inline void attend(const Problem* p, int32_t req, int32_t head_dim, float
     }
 }
 
+// The head_dim the vector paths need a multiple of (the caller checks before calling).
+int paged_attention_vector_floats(void) { return VECTOR_FLOATS; }
+
 // Attends the requests listed in `requests` (indices into seq_lens / query_start); other
-// rows of `out` are left untouched. Returns 0, or -1 when scratch memory ran out.
-// `max_rows_x_len` bounds q_len * num_q_heads * seq_len over the listed requests (the scratch
-// each thread allocates for its scores).
+// rows of `out` are left untouched. `max_rows_x_len` bounds q_len * num_q_heads * seq_len over
+// the listed requests (the scratch each thread allocates for its scores). Returns 0, or -1
+// when that allocation failed.
 int paged_attention_f32(const float* query, const float* kv_cache, const int32_t* block_table,
                         int64_t block_table_stride, const int32_t* seq_lens,
                         const int32_t* query_start, const int32_t* requests,

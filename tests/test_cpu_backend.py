@@ -56,7 +56,7 @@ def test_kernel_builds_where_a_compiler_exists():
         pytest.param([1], [1], id="context-1"),
         pytest.param([15, 16, 17], [1, 1, 1], id="decode-block-pm1"),
         pytest.param([15, 16, 17], [2, 3, 4], id="short-chunks-block-pm1"),
-        pytest.param([33, 16, 17], [2, 16, 1], id="short-and-long"),
+        pytest.param([33, 26, 17], [2, 20, 1], id="short-and-long"),
         pytest.param([1, 70, 5, 130, 48, 300], [1, 30, 5, 1, 17, 4], id="mixed"),
     ],
 )
@@ -80,9 +80,11 @@ def test_gqa_groups_match_naive(group_size):
     assert_matches_naive(case, run_backend(case))
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 256, 320])
 def test_head_dims_match_naive(head_dim):
-    """64 and 128 take the unrolled paths, 96 and 256 the generic one."""
+    """64 and 128 are compiled for their size, 96 and 256 not; 320 accumulates V in memory
+    instead of registers; 40 is no multiple of AVX-512's 16 floats (the reference runs it
+    there)."""
     case = make_case(
         [20, 37, 5], [20, 1, 2], num_heads=4, num_kv_heads=2, head_dim=head_dim, seed=head_dim
     )
@@ -110,18 +112,18 @@ def test_long_context_decode_matches_naive():
 
 
 def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa():
-    case = make_case([10, 30, 12, 8], [1, 4, 5, 0], 4, 2, 64)
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, num_q_heads=4)
+    case = make_case([10, 30, 40, 8], [1, 16, 17, 0], 4, 2, 64)
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache)
     assert plan.short_requests.tolist() == [0, 1]
-    assert plan.max_rows_x_len == max(1 * 4 * 10, 4 * 4 * 30)
-    assert [(r.q_start, r.q_end, r.seq_len) for r in plan.long_requests] == [(5, 10, 12)]
+    assert plan.max_query_x_seq_len == 16 * 30
+    assert [(r.q_start, r.q_end, r.seq_len) for r in plan.long_requests] == [(17, 34, 40)]
 
 
 def test_kernel_alone_handles_queries_beyond_the_short_limit(monkeypatch):
     """The kernel is exact for any query length; the limit is a speed choice only."""
     monkeypatch.setattr(cpu_backend, "SHORT_QUERY_MAX_TOKENS", 10**6)
     case = make_case([40, 33, 17], [40, 9, 17], 6, 2, 64, seed=3)
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, num_q_heads=6)
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache)
     assert plan.long_requests == []
     assert_matches_naive(case, run_backend(case))
 
