@@ -223,11 +223,18 @@ def compare(
     workload: GenerationWorkload,
     hf_batch_size: int,
     device: str,
+    repeats: int = 1,
 ) -> dict:
-    engine_s, engine_tokens = run_engine(llm, workload)
-    _synchronize(device)
-    hf_s, hf_tokens = baseline.run(workload, hf_batch_size)
-    _synchronize(device)
+    """Runs the engine then transformers, `repeats` times; reports the pair whose ratio is the
+    median, so a machine whose speed drifts between runs compares runs minutes apart."""
+    pairs = []
+    for _ in range(repeats):
+        engine_s, engine_tokens = run_engine(llm, workload)
+        _synchronize(device)
+        hf_s, hf_tokens = baseline.run(workload, hf_batch_size)
+        _synchronize(device)
+        pairs.append((engine_s, hf_s))
+    engine_s, hf_s = median_pair(pairs)
     num_agreeing = sum(
         e[:NUM_COMPARED_TOKENS] == h[:NUM_COMPARED_TOKENS]
         for e, h in zip(engine_tokens, hf_tokens, strict=True)
@@ -245,6 +252,7 @@ def compare(
         "engine_output_tokens_per_s": num_tokens / engine_s,
         "transformers_output_tokens_per_s": num_tokens / hf_s,
         "speedup": hf_s / engine_s,
+        "pair_speedups": [hf / engine for engine, hf in pairs],
         "engine_token_passes": engine_passes,
         "transformers_token_passes": hf_passes,
         "work_ratio": hf_passes / engine_passes,
@@ -253,9 +261,16 @@ def compare(
     print(
         f"{workload.name}: engine {row['engine_output_tokens_per_s']:.1f} tok/s, transformers "
         f"{row['transformers_output_tokens_per_s']:.1f} tok/s, ratio {row['speedup']:.2f}x "
-        f"({num_agreeing}/{workload.num_prompts} agree on the first {NUM_COMPARED_TOKENS} tokens)"
+        f"({num_agreeing}/{workload.num_prompts} agree on the first {NUM_COMPARED_TOKENS} tokens; "
+        f"pairs: {', '.join(f'{x:.2f}x' for x in row['pair_speedups'])})"
     )
     return row
+
+
+def median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The (engine_s, transformers_s) pair with the median ratio (the lower one of two middles)."""
+    ordered = sorted(pairs, key=lambda pair: pair[1] / pair[0])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _synchronize(device: str) -> None:
@@ -322,9 +337,21 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="torch CPU threads, the same for both sides (0: torch's default)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="engine/transformers pairs per workload, the median ratio reported (default: 3, "
+        "1 with --quick)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
 
 def main() -> None:
@@ -347,7 +374,9 @@ def main() -> None:
         warm_up(llm, baseline)
         for workload in workloads:
             batch_size = args.hf_batch_size or workload.num_prompts
-            rows.append(compare(llm, baseline, workload, batch_size, args.device))
+            rows.append(
+                compare(llm, baseline, workload, batch_size, args.device, repeats=args.repeats)
+            )
             gc.collect()
     mixed = next((row for row in rows if row["workload"] == "mixed"), None)
     result = {
@@ -361,6 +390,7 @@ def main() -> None:
         "transformers_batch_size": args.hf_batch_size or "all prompts of a workload",
         "engine_args": engine_args,
         "torch_num_threads": num_threads,
+        "repeats": args.repeats,
         "seed": args.seed,
         "rows": rows,
         "target_speedup_mixed": TARGET_SPEEDUP,
@@ -402,6 +432,16 @@ def render_markdown(result: dict) -> str:
         "ratio is the speedup the engine gets from doing less work alone, at equal cost per "
         "position.\n"
     )
+    repeats = result.get("repeats", 1)
+    if repeats > 1:
+        pairs = "; ".join(
+            f"{row['workload']} " + ", ".join(f"{x:.2f}x" for x in row["pair_speedups"])
+            for row in result["rows"]
+        )
+        text += (
+            f"\nEach workload ran {repeats} engine/transformers pairs; the table shows the pair "
+            f"with the median ratio (all pairs: {pairs}).\n"
+        )
     if result["mixed_speedup"] is not None:
         text += (
             f"\nMixed workload: engine / transformers = **{result['mixed_speedup']:.2f}x** "

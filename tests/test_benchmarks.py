@@ -19,13 +19,20 @@ import pytest
 
 from frontend.null_tokenizer import NullTokenizer
 from scripts.bench_common import REPO_ROOT, GenerationWorkload, markdown_table, percentiles
-from scripts.bench_offline import token_passes
+from scripts.bench_offline import median_pair, token_passes
 from scripts.bench_prefix_cache import BLOCK_SIZE, build_prompts, ideal_hits
 from scripts.bench_serving import arrival_offsets_s
 from scripts.plot_results import plot_serving, write_readme_section
 
 SCRIPT_TIMEOUT_S = 300
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_median_pair_is_the_pair_with_the_median_ratio():
+    # ratios 2.0, 3.0, 1.0 -> the pair of ratio 2.0; two pairs -> the lower middle.
+    assert median_pair([(1.0, 2.0), (1.0, 3.0), (2.0, 2.0)]) == (1.0, 2.0)
+    assert median_pair([(2.0, 7.0), (1.0, 2.0)]) == (1.0, 2.0)
+    assert median_pair([(4.0, 5.0)]) == (4.0, 5.0)
 
 
 def test_token_passes_count_padding_and_overgeneration_for_transformers_only():
@@ -133,6 +140,7 @@ def test_bench_offline_quick(tmp_path):
         assert row["engine_output_tokens_per_s"] > 0
         assert row["transformers_output_tokens_per_s"] > 0
         assert row["speedup"] == pytest.approx(row["transformers_s"] / row["engine_s"])
+        assert row["pair_speedups"] == [pytest.approx(row["speedup"])]  # --quick: one pair
         assert row["transformers_token_passes"] >= row["engine_token_passes"] > 0
         assert row["num_output_tokens"] > 0 and row["num_prompt_tokens"] > row["num_prompts"]
         num_prompts += row["num_prompts"]

@@ -30,6 +30,7 @@ from proto import (
     WorkerReady,
 )
 from proto.engine_config import EngineConfig
+from worker.host_allocator import keep_freed_memory
 
 logger = logging.getLogger("worker")
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"%(asctime)s worker[{args.rank}] %(levelname)s %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_freed_memory()
     _exit_when_orphaned(os.getppid())
     _export_distributed_env(args.dist_init_address, args.rank, args.world_size)
 
