@@ -48,6 +48,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self._client.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block, so the next prompts are computed in full (for
+        benchmarks that repeat a workload). False, and nothing changes, while a request
+        holds blocks."""
+        return self._client.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

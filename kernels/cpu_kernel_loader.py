@@ -49,17 +49,26 @@ def load() -> ctypes.CDLL | None:
         logger.warning("no C compiler (cc/gcc/$CC): CPU attention runs the torch reference")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        return open_library(build(compiler))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("CPU attention kernel unavailable, using the torch reference: %s", exc)
         return None
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The built library at `path`, its functions' argument types declared."""
+    library = ctypes.CDLL(str(path))
     _declare(library)
     return library
 
 
-def _build(compiler: str) -> Path:
-    """The cached library for this source, compiler and CPU; compiled if missing."""
-    command = [compiler, *COMPILE_FLAGS]
+def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The cached library for this source, compiler, flags and CPU; compiled if missing.
+
+    `extra_flags` go after COMPILE_FLAGS (tests build the AVX2 and plain-C paths with
+    `-mno-avx512f` and `-mno-avx2 -mno-fma`). Raises OSError when the compiler fails.
+    """
+    command = [compiler, *COMPILE_FLAGS, *extra_flags]
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(command).encode(), _compiler_version(compiler)):
         key.update(part)

@@ -107,7 +107,7 @@ static inline void add_weighted_sum(float* restrict out, const float* restrict v
 // exp(x) for x <= 0 to about 2 ulp, in a form the compiler vectorizes (glibc's expf only
 // vectorizes under -ffast-math, which would also drop the IEEE semantics the rest relies on).
 static inline float exp_nonpositive(float x) {
-    x = x > -87.0f ? x : -87.0f;
+    x = x < -87.0f ? -87.0f : x;  // NaN stays NaN
     // n = round(x / ln 2) by the float-add trick: 1.5 * 2^23 pushes the fraction out.
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const float r = fmaf(n, -0.693359375f, fmaf(n, 2.12194440e-4f, x));

@@ -229,6 +229,9 @@ def compare(
     median, so a machine whose speed drifts between runs compares runs minutes apart."""
     pairs = []
     for _ in range(repeats):
+        # A repeat must not find the previous one's prompts in the prefix cache.
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("the engine refused to reset its prefix cache between repeats")
         engine_s, engine_tokens = run_engine(llm, workload)
         _synchronize(device)
         hf_s, hf_tokens = baseline.run(workload, hf_batch_size)

@@ -174,6 +174,44 @@ def test_bfloat16_cache_runs_the_reference():
     assert torch.equal(out[: case.num_real_tokens], expected[: case.num_real_tokens])
 
 
+@pytest.mark.parametrize(
+    ("extra_flags", "vector_floats"),
+    [
+        pytest.param(("-mno-avx512f",), 8, id="avx2"),
+        pytest.param(("-mno-avx512f", "-mno-avx2", "-mno-fma"), 1, id="plain-c"),
+    ],
+)
+def test_narrower_vector_paths_match_naive(monkeypatch, tmp_path, extra_flags, vector_floats):
+    """The paths other CPUs compile: AVX2 (8 floats) and plain C (any head size)."""
+    if (
+        not cpu_backend.is_available()
+        or cpu_kernel_loader.load().paged_attention_vector_floats() < 16
+    ):
+        pytest.skip("this CPU does not have AVX-512, so the default build is already narrower")
+    monkeypatch.setenv(cpu_kernel_loader.CACHE_ENV, str(tmp_path))
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    library = cpu_kernel_loader.open_library(cpu_kernel_loader.build(compiler, extra_flags))
+    assert library.paged_attention_vector_floats() == vector_floats
+    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
+    for head_dim in (24, 64, 320):
+        case = make_case([1, 17, 70, 33], [1, 1, 5, 16], 6, 2, head_dim, seed=head_dim)
+        out = run_backend(case)
+        uses_kernel = cpu_backend._kernel_supports(library, case.kv_cache)
+        assert uses_kernel == (head_dim % vector_floats == 0)
+        assert_matches_naive(case, out)
+
+
+def test_nan_in_a_visible_key_reaches_the_output():
+    """Unused slots never leak, but a NaN the request really attends to is not hidden."""
+    case = make_case([20, 20], [1, 1], 4, 2, 64, poison=False)
+    cpu_backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    first_block = int(case.metadata.block_table[0, 0])
+    case.kv_cache[0, first_block, 3] = float("nan")  # key 3 of request 0, every KV head
+    out = cpu_backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    assert torch.isnan(out[0]).all()
+    assert not torch.isnan(out[1]).any()
+
+
 def test_build_is_cached_on_disk(fresh_loader):
     library = cpu_kernel_loader.load()
     assert library is not None

@@ -93,6 +93,15 @@ def test_chat_uses_the_chat_template(llm):
     assert [len(o.prompt_token_ids) for o in outputs] == [37, 20]
 
 
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(llm):
+    prompt = list(range(1, 41))  # two full blocks of 16
+    params = SamplingParams(max_tokens=2)
+    first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
 def test_engine_client_streams_deltas_and_aborts_a_closed_stream():
     with EngineClient(EngineConfig(model="null", max_model_len=4096)) as client:
         deltas = list(client.generate("hi", SamplingParams(max_tokens=6)))
