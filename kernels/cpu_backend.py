@@ -10,6 +10,7 @@ caches run wholly on the torch reference.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +32,15 @@ def is_available() -> bool:
 
 @dataclass(slots=True, frozen=True)
 class _CpuPlan:
-    """One step's split: short requests for the kernel, long ones for SDPA."""
+    """One step's split (short requests for the kernel, long ones for SDPA) and the int32
+    contiguous metadata the kernel reads, built once for all layers."""
 
     short_requests: torch.Tensor  # int32 [S]: request indices
     max_query_x_seq_len: int  # max over the short requests of q_len * seq_len
     long_requests: list[torch_reference.PrefillRequest]
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+    query_start: torch.Tensor  # int32 [B + 1]
 
 
 def paged_attention(
@@ -56,37 +61,43 @@ def paged_attention(
     for request in plan.long_requests:
         torch_reference.prefill_attention(query, kv_cache, scale, result, request)
     if len(plan.short_requests):
-        _run_kernel(library, query, kv_cache, metadata, scale, plan, result)
+        _run_kernel(library, query, kv_cache, scale, plan, result)
     if out is None:
         return result.to(dtype)
     return out.copy_(result)
 
 
-def _kernel_supports(library, kv_cache: torch.Tensor) -> bool:
-    """float32 CPU caches whose head size fits the kernel's vector width (16 with AVX-512)."""
+def _kernel_supports(library: ctypes.CDLL, kv_cache: torch.Tensor) -> bool:
+    """Contiguous float32 CPU caches whose head size is a multiple of the kernel's vector
+    width (16 floats with AVX-512)."""
     head_dim = kv_cache.shape[4]
     return (
         kv_cache.dtype == torch.float32
         and kv_cache.device.type == "cpu"
+        and kv_cache.is_contiguous()
         and head_dim % library.paged_attention_vector_floats() == 0
     )
 
 
-def _run_kernel(library, query, kv_cache, metadata, scale, plan, result) -> None:
-    kv_cache = kv_cache.contiguous()
-    block_table = metadata.block_table.to(torch.int32).contiguous()
-    seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
-    query_start = metadata.query_start_loc.to(torch.int32).contiguous()
+def _run_kernel(
+    library: ctypes.CDLL,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scale: float,
+    plan: _CpuPlan,
+    result: torch.Tensor,
+) -> None:
+    """Fills the short requests' rows of `result`; query and result are contiguous float32."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_q_heads = query.shape[1]
     scratch_floats = plan.max_query_x_seq_len * num_q_heads
     status = library.paged_attention_f32(
         query.data_ptr(),
         kv_cache.data_ptr(),
-        block_table.data_ptr(),
-        block_table.shape[1],
-        seq_lens.data_ptr(),
-        query_start.data_ptr(),
+        plan.block_table.data_ptr(),
+        plan.block_table.shape[1],
+        plan.seq_lens.data_ptr(),
+        plan.query_start.data_ptr(),
         plan.short_requests.data_ptr(),
         len(plan.short_requests),
         num_blocks,
@@ -129,5 +140,11 @@ def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _CpuPlan
             long_requests.append(
                 torch_reference.prefill_request(row, starts, seq_len, block_table, block_size)
             )
-    short_requests = torch.tensor(short, dtype=torch.int32)
-    return _CpuPlan(short_requests, max_query_x_seq_len, long_requests)
+    return _CpuPlan(
+        short_requests=torch.tensor(short, dtype=torch.int32),
+        max_query_x_seq_len=max_query_x_seq_len,
+        long_requests=long_requests,
+        block_table=metadata.block_table.to(torch.int32).contiguous(),
+        seq_lens=metadata.seq_lens.to(torch.int32).contiguous(),
+        query_start=metadata.query_start_loc.to(torch.int32).contiguous(),
+    )

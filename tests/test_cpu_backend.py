@@ -166,6 +166,14 @@ def test_out_argument_is_filled_and_returned():
     assert_matches_naive(case, out)
 
 
+def test_kernel_never_reads_a_non_contiguous_cache():
+    """It indexes raw memory, so a strided view must not reach it (nothing allocates one)."""
+    kv_cache = torch.zeros(2, 4, 16, 2, 128)[..., :64]
+    library = cpu_kernel_loader.load()
+    assert not cpu_backend._kernel_supports(library, kv_cache)
+    assert cpu_backend._kernel_supports(library, kv_cache.contiguous())
+
+
 def test_bfloat16_cache_runs_the_reference():
     case = make_case([30, 9], [10, 1], 4, 1, 64, dtype=torch.bfloat16)
     out = run_backend(case)
