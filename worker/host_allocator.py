@@ -8,7 +8,8 @@ project is measured on, that made elementwise ops on CPU 8-10x slower than their
 (SiLU-and-mul of a 512-token step: 3.4 ms instead of 0.5 ms).
 
 A worker is one long-lived process whose peak host memory is bounded by the step size, so
-keeping freed memory for reuse is the right trade. Only the worker calls this: it changes the
+keeping freed memory for reuse is the right trade; blocks above 32 MiB are still mapped and
+unmapped one by one, and at most 256 MiB of free heap is kept. Only the worker calls this: it changes the
 whole process's allocator, which is no library's business in a user's own process.
 """
 
@@ -26,8 +27,10 @@ M_MMAP_THRESHOLD = -3
 # Blocks up to this size come from the heap; it is glibc's ceiling on 64-bit (larger values
 # are refused), and setting it also stops the threshold from adjusting itself.
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
-# Free memory at the heap top is returned to the OS only beyond this.
-TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
+# Free memory at the heap top is returned to the OS only beyond this: the most a worker keeps
+# that it may not need again (e.g. after loading weights), and far above one step's activations
+# below the mmap threshold.
+TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
 
 
 def keep_freed_memory() -> bool:
