@@ -10,8 +10,9 @@
 // row; then a pass over V adds each block's weighted sum into the output rows, accumulating
 // in registers. Decoding is bound by reading the cache, so the next block is prefetched while
 // one is read (blocks are scattered: the hardware prefetcher cannot follow), and exp is a
-// polynomial the compiler vectorizes. Requests run in parallel over `num_threads` OpenMP
-// threads (1 = the calling thread only).
+// polynomial the compiler vectorizes. Items run in parallel over `num_threads` OpenMP threads
+// (1 = the calling thread only); with fewer requests than threads, each KV head of a request
+// is an item of its own.
 // Built by kernels/cpu_kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <math.h>
@@ -56,6 +57,8 @@ typedef struct {
     int32_t context;        // query token t sits at position context + t, sees keys ..context + t
     int32_t group;          // query heads per KV head
     int64_t token_stride;   // floats from one cached token to the next (H_kv * D)
+    int32_t kv_head_begin;  // the KV heads this work item covers, and their query heads
+    int32_t kv_head_end;
 } Request;
 
 // a . b over n floats; the vector paths need n % VECTOR_FLOATS == 0 (the caller checks).
@@ -136,19 +139,21 @@ static inline void prefetch_row(const float* row, int64_t num_floats) {
     for (int64_t offset = 0; offset < num_floats; offset += 16) __builtin_prefetch(row + offset);
 }
 
-// Score rows t * H_q + head, `seq_len` floats apart: the scaled dot products of every query
-// row with the keys of one block, start..end-1. Token `key - start` of the next block
+// Score rows t * H_q + head, `seq_len` floats apart: the scaled dot products of the item's
+// query rows with the keys of one block, start..end-1. Token `key - start` of the next block
 // (`next`, or NULL) is prefetched alongside.
 static inline void score_block(const Problem* p, const Request* r, const float* k,
                                const float* next, int32_t start, int32_t end, int32_t head_dim,
                                float* scores) {
     const int32_t num_q_heads = p->num_q_heads;
+    const int64_t first_float = (int64_t)r->kv_head_begin * head_dim;
+    const int64_t span = (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim;
     for (int32_t key = start; key < end; ++key, k += r->token_stride) {
-        if (next != NULL) prefetch_row(next + (key - start) * r->token_stride, r->token_stride);
+        if (next != NULL) prefetch_row(next + (key - start) * r->token_stride + first_float, span);
         const int32_t first_token = key > r->context ? key - r->context : 0;
         for (int32_t t = first_token; t < r->q_len; ++t) {
-            int64_t row = (int64_t)t * num_q_heads;
-            for (int32_t kv_head = 0; kv_head < p->num_kv_heads; ++kv_head) {
+            int64_t row = (int64_t)t * num_q_heads + (int64_t)r->kv_head_begin * r->group;
+            for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head) {
                 const float* k_head = k + (int64_t)kv_head * head_dim;
                 for (int32_t g = 0; g < r->group; ++g, ++row)
                     scores[row * r->seq_len + key] =
@@ -158,11 +163,12 @@ static inline void score_block(const Problem* p, const Request* r, const float* 
     }
 }
 
-// Each score row becomes its softmax over the keys its query token sees.
+// Each of the item's score rows becomes its softmax over the keys its query token sees.
 static inline void softmax_rows(const Problem* p, const Request* r, float* scores) {
     for (int32_t t = 0; t < r->q_len; ++t) {
         const int32_t visible = r->context + t + 1;
-        for (int32_t head = 0; head < p->num_q_heads; ++head) {
+        const int32_t last_head = r->kv_head_end * r->group;
+        for (int32_t head = r->kv_head_begin * r->group; head < last_head; ++head) {
             float* row = scores + ((int64_t)t * p->num_q_heads + head) * r->seq_len;
             float max_score = row[0];
 #pragma omp simd reduction(max : max_score)
@@ -186,16 +192,18 @@ static inline void softmax_rows(const Problem* p, const Request* r, float* score
 static inline void value_block(const Problem* p, const Request* r, const float* v,
                                const float* next, int32_t start, int32_t end, int32_t head_dim,
                                const float* scores) {
+    const int64_t first_float = (int64_t)r->kv_head_begin * head_dim;
+    const int64_t span = (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim;
     if (next != NULL) {
         for (int32_t key = start; key < end; ++key)
-            prefetch_row(next + (key - start) * r->token_stride, r->token_stride);
+            prefetch_row(next + (key - start) * r->token_stride + first_float, span);
     }
     const int32_t num_q_heads = p->num_q_heads;
     for (int32_t t = 0; t < r->q_len; ++t) {
         const int32_t visible_end = MIN(end, r->context + t + 1);
         if (visible_end <= start) continue;
-        int64_t row = (int64_t)t * num_q_heads;
-        for (int32_t kv_head = 0; kv_head < p->num_kv_heads; ++kv_head) {
+        int64_t row = (int64_t)t * num_q_heads + (int64_t)r->kv_head_begin * r->group;
+        for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head) {
             const float* v_head = v + (int64_t)kv_head * head_dim;
             for (int32_t g = 0; g < r->group; ++g, ++row)
                 add_weighted_sum(r->out + row * head_dim, v_head, r->token_stride,
@@ -205,9 +213,10 @@ static inline void value_block(const Problem* p, const Request* r, const float* 
     }
 }
 
-// Request `req`; `scores` holds q_len * H_q * seq_len floats.
-static inline void attend_request(const Problem* p, int32_t req, int32_t head_dim,
-                                  float* scores) {
+// Request `req`, KV heads kv_head_begin..kv_head_end-1 and their query heads; `scores` holds
+// q_len * H_q * seq_len floats.
+static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head_begin,
+                                  int32_t kv_head_end, int32_t head_dim, float* scores) {
     const int32_t q_begin = p->query_start[req];
     Request r = {
         .blocks = p->block_table + (int64_t)req * p->block_table_stride,
@@ -217,6 +226,8 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t head_di
         .seq_len = p->seq_lens[req],
         .group = p->num_q_heads / p->num_kv_heads,
         .token_stride = (int64_t)p->num_kv_heads * head_dim,
+        .kv_head_begin = kv_head_begin,
+        .kv_head_end = kv_head_end,
     };
     r.context = r.seq_len - r.q_len;
     const int32_t block_size = p->block_size;
@@ -227,7 +238,11 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t head_di
                     scores);
     }
     softmax_rows(p, &r, scores);
-    memset(r.out, 0, sizeof(float) * r.q_len * p->num_q_heads * head_dim);
+    const int64_t num_floats = (int64_t)(kv_head_end - kv_head_begin) * r.group * head_dim;
+    for (int32_t t = 0; t < r.q_len; ++t) {
+        const int64_t row = (int64_t)t * p->num_q_heads + (int64_t)kv_head_begin * r.group;
+        memset(r.out + row * head_dim, 0, sizeof(float) * num_floats);
+    }
     for (int32_t start = 0; start < r.seq_len; start += block_size) {
         const int32_t end = MIN(start + block_size, r.seq_len);
         const float* next = end < r.seq_len ? block_rows(p, &r, p->value_cache, end) : NULL;
@@ -237,11 +252,12 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t head_di
 }
 
 // Head sizes known at compile time get fully unrolled loops.
-static inline void attend(const Problem* p, int32_t req, int32_t head_dim, float* scores) {
+static inline void attend(const Problem* p, int32_t req, int32_t kv_head_begin,
+                          int32_t kv_head_end, int32_t head_dim, float* scores) {
     switch (head_dim) {
-        case 64: attend_request(p, req, 64, scores); break;
-        case 128: attend_request(p, req, 128, scores); break;
-        default: attend_request(p, req, head_dim, scores);
+        case 64: attend_request(p, req, kv_head_begin, kv_head_end, 64, scores); break;
+        case 128: attend_request(p, req, kv_head_begin, kv_head_end, 128, scores); break;
+        default: attend_request(p, req, kv_head_begin, kv_head_end, head_dim, scores);
     }
 }
 
@@ -262,8 +278,12 @@ int paged_attention_f32(const float* query, const float* kv_cache, const int32_t
     const Problem problem = {query,      kv_cache,     kv_cache + cache_half, block_table,
                              seq_lens,   query_start,  out,                   block_table_stride,
                              block_size, num_q_heads, num_kv_heads,          scale};
+    // A work item is a request, or with fewer requests than threads one KV head of one (a
+    // single long decode would otherwise run on one thread).
+    const int32_t split = num_threads > 1 && num_requests < num_threads ? num_kv_heads : 1;
+    const int64_t num_items = (int64_t)num_requests * split;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_requests > 1)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         float* scores = malloc(sizeof(float) * (max_rows_x_len > 0 ? max_rows_x_len : 1));
         if (scores == NULL) {
@@ -271,8 +291,11 @@ int paged_attention_f32(const float* query, const float* kv_cache, const int32_t
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int32_t i = 0; i < num_requests; ++i) {
-            if (scores != NULL) attend(&problem, requests[i], head_dim, scores);
+        for (int64_t item = 0; item < num_items; ++item) {
+            if (scores == NULL) continue;
+            const int32_t begin = split == 1 ? 0 : (int32_t)(item % split);
+            const int32_t end = split == 1 ? num_kv_heads : begin + 1;
+            attend(&problem, requests[item / split], begin, end, head_dim, scores);
         }
         free(scores);
     }

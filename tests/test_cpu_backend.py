@@ -128,13 +128,19 @@ def test_kernel_alone_handles_queries_beyond_the_short_limit(monkeypatch):
     assert_matches_naive(case, run_backend(case))
 
 
-def test_threads_give_the_same_answer():
-    case = make_case([50, 7, 90, 33, 16], [1, 1, 2, 1, 4], 8, 2, 64, seed=11)
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [
+        pytest.param([50, 7, 90, 33, 16], [1, 1, 2, 1, 4], id="requests-split-over-threads"),
+        pytest.param([300], [3], id="one-request-its-kv-heads-split"),
+    ],
+)
+def test_threads_give_the_same_answer(seq_lens, q_lens):
+    case = make_case(seq_lens, q_lens, 8, 2, 64, seed=11, num_padding_tokens=2)
     one_thread = run_backend(case)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        case.metadata.backend_cache.clear()
         two_threads = cpu_backend.paged_attention(
             case.query, case.kv_cache, case.metadata, case.scale
         )
@@ -142,6 +148,7 @@ def test_threads_give_the_same_answer():
         torch.set_num_threads(threads)
     real = case.num_real_tokens
     torch.testing.assert_close(two_threads[:real], one_thread[:real], atol=0, rtol=0)
+    assert_matches_naive(case, two_threads)
 
 
 def test_requests_with_no_query_tokens_are_skipped():
