@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -37,3 +41,10 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def cached(self, key: Hashable, build: Callable[[], T]) -> T:
+        """`build()` for the first layer that asks with `key` this step, the same object after."""
+        value = self.backend_cache.get(key)
+        if value is None:
+            value = self.backend_cache[key] = build()
+        return value

@@ -57,7 +57,7 @@ def paged_attention(
     dtype = query.dtype
     result = torch.empty(query.shape, dtype=torch.float32)
     query = query.float().contiguous()
-    plan = _plan(metadata, kv_cache)
+    plan = metadata.cached(("cpu", kv_cache.shape[2]), lambda: _build_plan(metadata, kv_cache))
     for request in plan.long_requests:
         torch_reference.prefill_attention(query, kv_cache, scale, result, request)
     if len(plan.short_requests):
@@ -112,15 +112,6 @@ def _run_kernel(
     )
     if status != 0:
         raise MemoryError(f"CPU attention could not allocate {scratch_floats * 4} bytes of scores")
-
-
-def _plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _CpuPlan:
-    """The step's plan, cached in the metadata for the layers after the first."""
-    key = ("cpu", kv_cache.shape[2])
-    plan = metadata.backend_cache.get(key)
-    if plan is None:
-        plan = metadata.backend_cache[key] = _build_plan(metadata, kv_cache)
-    return plan
 
 
 def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _CpuPlan:

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -74,25 +75,33 @@ def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
         key.update(part)
     key.update(_cpu_identity())
     target = cache_dir() / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
+    if not target.is_file():
+        compile_shared_library(command, SOURCE, target, libraries=("-lm",))
+    return target
+
+
+def compile_shared_library(
+    command: Sequence[str], source: Path, target: Path, libraries: Sequence[str] = ()
+) -> None:
+    """Runs `command -o STAGING source libraries` and renames the result to `target`, so a
+    concurrent reader never sees a half-written library. Raises OSError with the compiler's
+    message when it fails; leaves no staging file behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=f"{target.stem}.", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         result = subprocess.run(
-            [*command, "-o", staging, str(SOURCE), "-lm"],
+            [*command, "-o", staging, str(source), *libraries],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
         )
         if result.returncode != 0:
-            raise OSError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
+            raise OSError(f"{' '.join(command)} failed: {result.stderr.strip()[-4000:]}")
         os.replace(staging, target)
     finally:
         if os.path.exists(staging):
             os.unlink(staging)
-    return target
 
 
 def _compiler_version(compiler: str) -> bytes:

@@ -90,21 +90,14 @@ def paged_attention(
     """
     if out is None:
         out = torch.empty_like(query)
-    plan = _plan(metadata, kv_cache)
+    plan = metadata.cached(
+        ("torch_reference", tuple(kv_cache.shape[2:])), lambda: _build_plan(metadata, kv_cache)
+    )
     for request in plan.prefills:
         prefill_attention(query, kv_cache, scale, out, request)
     for chunk in plan.decodes:
         _decode_attention(query, kv_cache, scale, out, chunk)
     return out
-
-
-def _plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _AttentionPlan:
-    """The step's plan, cached in the metadata for the layers after the first."""
-    key = ("torch_reference", tuple(kv_cache.shape[2:]))
-    plan = metadata.backend_cache.get(key)
-    if plan is None:
-        plan = metadata.backend_cache[key] = _build_plan(metadata, kv_cache)
-    return plan
 
 
 def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _AttentionPlan:

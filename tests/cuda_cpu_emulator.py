@@ -17,7 +17,6 @@ import hashlib
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.cpu_kernel_loader import compile_shared_library
 from kernels.module_loader import KERNEL_DIR, load_source
 
 HEADER = Path(__file__).resolve().with_name("cuda_cpu_emulator.h")
@@ -78,16 +78,7 @@ def build_library(text: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cpp = Path(tmp) / "kernel.cpp"
         cpp.write_text(text)
-        built = Path(tmp) / "kernel.so"
-        result = subprocess.run(
-            ["g++", *COMPILE_FLAGS, "-o", str(built), str(cpp)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"g++ failed on the emulated kernel:\n{result.stderr[-4000:]}")
-        os.replace(built, target)
+        compile_shared_library(["g++", *COMPILE_FLAGS], cpp, target)
     return target
 
 

@@ -156,23 +156,6 @@ def test_requests_with_no_query_tokens_are_skipped():
     assert_matches_naive(case, run_backend(case))
 
 
-def test_empty_batch_returns_empty_output():
-    case = make_case([], [], 4, 2, 64)
-    out = cpu_backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
-    assert out.shape == (0, 4, 64)
-
-
-def test_out_argument_is_filled_and_returned():
-    case = make_case([12, 4], [3, 1], 4, 2, 64)
-    cpu_backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
-    out = torch.zeros_like(case.query)
-    returned = cpu_backend.paged_attention(
-        case.query, case.kv_cache, case.metadata, case.scale, out=out
-    )
-    assert returned is out
-    assert_matches_naive(case, out)
-
-
 def test_kernel_never_reads_a_non_contiguous_cache():
     """It indexes raw memory, so a strided view must not reach it (nothing allocates one)."""
     kv_cache = torch.zeros(2, 4, 16, 2, 128)[..., :64]

@@ -117,9 +117,10 @@ def test_poisoned_cache_slots_never_leak():
     assert not torch.isnan(out[: case.num_real_tokens]).any()
 
 
-def test_empty_batch_returns_empty_output():
+@pytest.mark.parametrize("backend", [torch_reference, cpu_backend])
+def test_empty_batch_returns_empty_output(backend):
     case = make_case([], [], 4, 2, 64)
-    out = torch_reference.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    out = backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
     assert out.shape == (0, 4, 64)
 
 
@@ -128,13 +129,12 @@ def test_requests_with_no_query_tokens_are_skipped():
     assert_matches_naive(case, run_reference(case))
 
 
-def test_out_argument_is_filled_and_returned():
+@pytest.mark.parametrize("backend", [torch_reference, cpu_backend])
+def test_out_argument_is_filled_and_returned(backend):
     case = make_case([12, 4], [3, 1], 4, 2, 64)
     out = torch.zeros_like(case.query)
-    torch_reference.reshape_and_cache(
-        case.key, case.value, case.kv_cache, case.metadata.slot_mapping
-    )
-    returned = torch_reference.paged_attention(
+    backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    returned = backend.paged_attention(
         case.query, case.kv_cache, case.metadata, case.scale, out=out
     )
     assert returned is out
