@@ -111,7 +111,7 @@ class EngineCoreProc:
 
     def _start_engine(self) -> EngineReady:
         """Starts workers, sizes the KV cache (override, else the minimum over workers)."""
-        self.executor = Executor(self.config, self.context, _ipc_parent_dir(self.frontend_address))
+        self.executor = Executor(self.config)
         worker_readies = self.executor.wait_until_ready()
         num_gpu_blocks = self.config.num_gpu_blocks_override or min(
             ready.num_gpu_blocks for ready in worker_readies
@@ -286,11 +286,4 @@ def _peek_request_id(frames: list[memoryview], max_frame_bytes: int) -> str | No
         return None
     if isinstance(fields, list) and fields and isinstance(fields[0], str):
         return fields[0]
-    return None
-
-
-def _ipc_parent_dir(frontend_address: str) -> str | None:
-    """Worker sockets go next to the frontend's ipc sockets (its private dir), else to /tmp."""
-    if frontend_address.startswith("ipc://"):
-        return os.path.dirname(frontend_address.removeprefix("ipc://"))
     return None

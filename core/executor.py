@@ -1,21 +1,21 @@
 """`Executor`: the engine core's side of the worker processes.
 
 It starts `tensor_parallel_size` processes (`python -m worker`, so `core/` never imports
-`worker/`), broadcasts each message to all ranks over one PUSH socket per worker, and collects
-answers on one PULL socket (every rank answers start-up messages; only rank 0 answers a step).
-Every wait is bounded and re-checks every worker's liveness at least every `POLL_INTERVAL_S`.
-While it waits for a step, it also serves one more socket for its owner (`read_while_waiting`).
+`worker/`) and talks to each over its own `MessagePipe`, a socketpair whose other end the
+worker inherits: messages are broadcast to every rank, and answers collected (every rank
+answers start-up messages; only rank 0 answers a step). A worker that exits closes its end, so
+its death is seen at once; every wait is also bounded and re-checks every worker's liveness at
+least every `POLL_INTERVAL_S`. While it waits for a step, it also serves one more socket for its
+owner (`read_while_waiting`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +37,7 @@ from proto import (
     WorkerReady,
 )
 from proto.engine_config import EngineConfig
+from proto.message_pipe import MessagePipe, PeerClosedError, pipe_pair
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ POLL_INTERVAL_S = 0.1
 # When one rank of a tensor-parallel group dies, the others fail in their next collective within
 # milliseconds and report that; this long a reported error waits for the rank that really died.
 PEER_DEATH_GRACE_S = 0.5
+# How long a worker whose pipe closed may take to exit before it is reported as still running.
+EXIT_AFTER_CLOSE_S = 5.0
 
 
 class WorkerFailedError(RuntimeError):
@@ -54,53 +57,50 @@ class WorkerFailedError(RuntimeError):
 class WorkerProcess:
     rank: int
     process: subprocess.Popen
-    input_socket: zmq.Socket
+    pipe: MessagePipe
 
 
 class Executor:
     """Owns the worker processes and their sockets; not thread-safe (the busy loop's thread)."""
 
-    def __init__(self, config: EngineConfig, context: zmq.Context, parent_dir: str | None = None):
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.ipc_dir = tempfile.mkdtemp(prefix="workers-", dir=parent_dir)
         self.workers: list[WorkerProcess] = []
         self._encoder = MessageEncoder()
         self._decoder = MessageDecoder([WorkerReady, KVCacheReady, ModelRunnerOutput, WorkerError])
-        self._output_socket = context.socket(zmq.PULL)
-        output_address = f"ipc://{self.ipc_dir}/outputs"
-        self._output_socket.bind(output_address)
         self._poller = zmq.Poller()
-        self._poller.register(self._output_socket, zmq.POLLIN)
         self._side_socket: zmq.Socket | None = None
         self._on_side_input: Callable[[], None] = lambda: None
         try:
             dist_init_address = f"tcp://127.0.0.1:{_find_free_port()}"
             for rank in range(config.tensor_parallel_size):
-                self.workers.append(
-                    self._start_worker(rank, context, output_address, dist_init_address)
-                )
+                self.workers.append(self._start_worker(rank, dist_init_address))
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_worker(
-        self, rank: int, context: zmq.Context, output_address: str, dist_init_address: str
-    ) -> WorkerProcess:
-        input_address = f"ipc://{self.ipc_dir}/input-{rank}"
-        input_socket = context.socket(zmq.PUSH)
-        input_socket.bind(input_address)
+    def _start_worker(self, rank: int, dist_init_address: str) -> WorkerProcess:
+        # Every wait on a pipe is bounded by the longest deadline; callers keep their own.
+        timeout_s = max(self.config.startup_timeout_s, self.config.step_timeout_s)
+        pipe, child_end = pipe_pair(timeout_s)
         argv = [
             sys.executable, "-m", "worker",
             "--rank", str(rank),
             "--world-size", str(self.config.tensor_parallel_size),
-            "--input-address", input_address,
-            "--output-address", output_address,
+            "--pipe-fd", str(child_end.fileno()),
             "--dist-init-address", dist_init_address,
             "--config", self.config.to_b64(),
         ]  # fmt: skip
-        process = subprocess.Popen(argv)
+        try:
+            process = subprocess.Popen(argv, pass_fds=[child_end.fileno()])
+        except BaseException:
+            pipe.close()
+            raise
+        finally:
+            child_end.close()  # the worker's copy is the only one: its exit closes the pipe
+        self._poller.register(pipe.fileno(), zmq.POLLIN)
         logger.info("started worker rank %d (pid %d)", rank, process.pid)
-        return WorkerProcess(rank, process, input_socket)
+        return WorkerProcess(rank, process, pipe)
 
     # ---- start-up handshake ----------------------------------------------------------------
 
@@ -111,7 +111,7 @@ class Executor:
 
     def initialize_cache(self, num_gpu_blocks: int) -> None:
         """Tells every rank to allocate `num_gpu_blocks` and waits for all KVCacheReady."""
-        self._broadcast(InitKVCache(num_gpu_blocks), self.config.startup_timeout_s)
+        self._broadcast(InitKVCache(num_gpu_blocks))
         self._collect(KVCacheReady, self.config.startup_timeout_s, "KV cache allocation")
 
     def read_while_waiting(self, socket: zmq.Socket, on_input: Callable[[], None]) -> None:
@@ -124,7 +124,7 @@ class Executor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcasts one step and returns rank 0's sampled tokens."""
-        self._broadcast(scheduler_output, self.config.step_timeout_s)
+        self._broadcast(scheduler_output)
         return self._collect(ModelRunnerOutput, self.config.step_timeout_s, "a step", 1)[0]
 
     def check_alive(self) -> None:
@@ -132,11 +132,22 @@ class Executor:
         dead = [w for w in self.workers if w.process.poll() is not None]
         if not dead:
             return
-        while self._output_socket.poll(0):
-            message = self._receive()
-            if isinstance(message, WorkerError):
-                raise self._worker_failed(message)
+        for worker in dead:
+            error = self._last_words(worker)
+            if error is not None:
+                raise self._worker_failed(error)
         raise WorkerFailedError(_describe_death(dead[0]))
+
+    def _last_words(self, worker: WorkerProcess) -> WorkerError | None:
+        """The WorkerError an exited worker left unread in its pipe, if any."""
+        while _is_readable(worker.pipe):
+            try:
+                message = self._receive(worker)
+            except WorkerFailedError:
+                return None
+            if isinstance(message, WorkerError):
+                return message
+        return None
 
     def _worker_failed(self, error: WorkerError) -> WorkerFailedError:
         """`error`, preceded by every other rank that a signal ended (kill -9, the OOM killer, a
@@ -145,6 +156,16 @@ class Executor:
         wait_s = PEER_DEATH_GRACE_S if len(self.workers) > 1 else 0.0
         causes = [_describe_death(w) for w in self._killed_workers(error.rank, wait_s)]
         return WorkerFailedError("; ".join([*causes, _describe_worker_error(error)]))
+
+    def _pipe_closed(self, worker: WorkerProcess) -> WorkerFailedError:
+        """The error for a worker whose pipe closed: its exit, once it has exited."""
+        try:
+            worker.process.wait(EXIT_AFTER_CLOSE_S)
+        except subprocess.TimeoutExpired:
+            return WorkerFailedError(
+                f"worker rank {worker.rank} (pid {worker.process.pid}) closed its pipe"
+            )
+        return WorkerFailedError(_describe_death(worker))
 
     def _killed_workers(self, other_than_rank: int, wait_s: float) -> list[WorkerProcess]:
         """Workers other than `other_than_rank` that a signal ended, waiting up to `wait_s` for
@@ -162,24 +183,19 @@ class Executor:
                 return killed
             time.sleep(POLL_INTERVAL_S / 10)
 
-    def _broadcast(self, message: msgspec.Struct, timeout_s: float) -> None:
-        """Sends `message` to every rank; waits (bounded, watching liveness) for a rank whose
-        socket is not connected yet, e.g. right after its WorkerReady."""
+    def _broadcast(self, message: msgspec.Struct) -> None:
+        """Sends `message` to every rank. A send waits only while a rank's socket buffer is
+        full, and at most the pipe's timeout."""
         frames = self._encoder.encode(message)
-        deadline = time.monotonic() + timeout_s
         for worker in self.workers:
-            while True:
-                try:
-                    worker.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    break
-                except zmq.Again:
-                    pass  # A blocking send to a dead worker would never return.
-                self.check_alive()
-                if time.monotonic() > deadline:
-                    raise WorkerFailedError(
-                        f"worker rank {worker.rank} took no message for {timeout_s} s"
-                    )
-                worker.input_socket.poll(POLL_INTERVAL_S * 1000, zmq.POLLOUT)
+            try:
+                worker.pipe.send(frames)
+            except PeerClosedError:
+                raise self._pipe_closed(worker) from None
+            except TimeoutError:
+                raise WorkerFailedError(
+                    f"worker rank {worker.rank} took no message for {worker.pipe.timeout_s} s"
+                ) from None
 
     def _collect(
         self, expected: type, timeout_s: float, what: str, num_answers: int | None = None
@@ -187,6 +203,7 @@ class Executor:
         """Rank -> answer of type `expected` from `num_answers` ranks (default: all)."""
         num_answers = len(self.workers) if num_answers is None else num_answers
         rank_to_answer: dict[int, msgspec.Struct] = {}
+        fd_to_worker = {worker.pipe.fileno(): worker for worker in self.workers}
         deadline = time.monotonic() + timeout_s
         while len(rank_to_answer) < num_answers:
             remaining_s = deadline - time.monotonic()
@@ -195,40 +212,55 @@ class Executor:
                     f"{len(rank_to_answer)} of {num_answers} workers answered {what} within "
                     f"{timeout_s} s"
                 )
-            ready = dict(self._poller.poll(min(remaining_s, POLL_INTERVAL_S) * 1000))
-            if self._side_socket in ready:
-                self._on_side_input()
-            if self._output_socket in ready:
-                message = self._receive()
+            ready = self._poller.poll(min(remaining_s, POLL_INTERVAL_S) * 1000)
+            if not ready:
+                self.check_alive()
+            for source, _ in ready:
+                if source is self._side_socket:
+                    self._on_side_input()
+                    continue
+                worker = fd_to_worker[source]  # the poller names a pipe by its fd
+                message = self._receive(worker)
                 if isinstance(message, WorkerError):
                     raise self._worker_failed(message)
                 if not isinstance(message, expected):
                     raise WorkerFailedError(
                         f"expected {expected.__name__} during {what}, got {type(message).__name__}"
                     )
-                rank_to_answer[getattr(message, "rank", 0)] = message
-            self.check_alive()
+                rank_to_answer[worker.rank] = message
         return rank_to_answer
 
-    def _receive(self) -> msgspec.Struct:
-        frames = self._output_socket.recv_multipart(copy=False)
+    def _receive(self, worker: WorkerProcess) -> msgspec.Struct:
+        """The next message from `worker` (call when its pipe is readable)."""
         try:
-            return self._decoder.decode([frame.buffer for frame in frames])
+            frames = worker.pipe.recv()
+        except PeerClosedError:
+            raise self._pipe_closed(worker) from None
+        except TimeoutError:
+            raise WorkerFailedError(
+                f"worker rank {worker.rank} sent part of a message and then nothing for "
+                f"{worker.pipe.timeout_s} s"
+            ) from None
+        try:
+            return self._decoder.decode(frames)
         except MessageDecodeError as exc:
-            raise WorkerFailedError(f"malformed message from a worker: {exc}") from exc
+            raise WorkerFailedError(
+                f"malformed message from worker rank {worker.rank}: {exc}"
+            ) from exc
 
     # ---- shutdown --------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Asks every worker to exit, then stops stragglers; removes the socket directory.
+        """Asks every worker to exit, then stops stragglers and closes the pipes.
 
         Bounded by about `2 * shutdown_timeout_s`; safe to call more than once.
         """
         frames = self._encoder.encode(Shutdown())
         for worker in self.workers:
-            # A worker already gone or not listening is stopped by stop_process below.
-            with contextlib.suppress(zmq.ZMQError):
-                worker.input_socket.send_multipart(frames, flags=zmq.NOBLOCK)
+            # A worker already gone or not reading is stopped by stop_process below.
+            worker.pipe.timeout_s = 0.0
+            with contextlib.suppress(OSError):
+                worker.pipe.send(frames)
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         for worker in self.workers:
             try:
@@ -236,10 +268,12 @@ class Executor:
             except subprocess.TimeoutExpired:
                 logger.warning("worker rank %d did not exit in time; terminating", worker.rank)
             stop_process(worker.process, self.config.shutdown_timeout_s)
-            worker.input_socket.close(linger=0)
+            worker.pipe.close()
         self.workers.clear()
-        self._output_socket.close(linger=0)
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _is_readable(pipe: MessagePipe) -> bool:
+    return bool(zmq.select([pipe], [], [], 0)[0])
 
 
 def _describe_worker_error(error: WorkerError) -> str:

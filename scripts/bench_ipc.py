@@ -2,7 +2,7 @@
 
 The null worker returns one token per request and does no work, so what is measured is the
 frontend client, the sockets, the engine core's loop and scheduler, and the core <-> worker
-hop. The floor, measured in the same run: a raw ZeroMQ ping-pong with the same socket types
+hop (a socketpair). The floor, measured in the same run: a raw ZeroMQ ping-pong with the same socket types
 (ROUTER -> DEALER, PUSH -> PULL) and the same message sizes, against an echo process. Raw and
 core measurements alternate (blocks of round trips, one burst each per repeat), so both see the
 same machine.

@@ -240,7 +240,7 @@ def test_executor_serves_the_side_socket_while_it_waits_for_a_step():
     side_in.bind("inproc://side")
     side_out = context.socket(zmq.PUSH)
     side_out.connect("inproc://side")
-    executor = Executor(EngineConfig(model="null"), context)
+    executor = Executor(EngineConfig(model="null"))
     pids = [worker.process.pid for worker in executor.workers]
     try:
         executor.wait_until_ready()
@@ -342,7 +342,10 @@ def test_garbage_and_wrongly_typed_frames_are_rejected_and_the_engine_keeps_serv
     finally:
         frontend.close()
     assert [pid for pid in worker_pids if is_alive(pid)] == []
-    assert list(tmp_path.glob("workers-*")) == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "engine-outputs",
+        "engine-requests",
+    ]  # the frontend's two sockets, nothing of the core's
 
 
 # ---- failures and shutdown -------------------------------------------------------------------
@@ -394,7 +397,7 @@ def test_sigterm_of_the_core_exits_cleanly_without_leftovers():
         async with running_engine(**LONG_RUNNING) as (client, pids):
             core_pid, worker_pid = pids
             ipc_dir = Path(client.address.removeprefix("ipc://")).parent
-            assert len(list(ipc_dir.glob("workers-*"))) == 1
+            frontend_sockets = sorted(ipc_dir.iterdir())
             queue = client.add_request(request("long", max_tokens=None))
             assert (await next_item(queue)).finish_reason is None
             os.kill(core_pid, signal.SIGTERM)
@@ -403,7 +406,7 @@ def test_sigterm_of_the_core_exits_cleanly_without_leftovers():
             await wait_until(lambda: client._process.poll() is not None, 10, "the core exits")
             assert client._process.returncode == 0
             assert not is_alive(worker_pid)
-            assert list(ipc_dir.glob("workers-*")) == []
+            assert sorted(ipc_dir.iterdir()) == frontend_sockets  # the core left nothing
 
     asyncio.run(scenario())
 
@@ -435,7 +438,7 @@ def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed(tm
         address = f"tcp://127.0.0.1:{_free_port_pair()}"
         argv = [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
         argv += ["--max-num-seqs", "4", "--max-model-len", "100000"]
-        # kill -9 leaves the core's worker socket directory behind: keep it in tmp_path.
+        # Anything the core writes to TMPDIR would stay there after its kill -9.
         core = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp_path)})
         worker_pids: list[int] = []
         client = AsyncCoreClient(EngineConfig(model="null"), address, launch_core=False)
@@ -453,6 +456,7 @@ def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed(tm
             await wait_until(
                 lambda: not any(map(is_alive, worker_pids)), 10, "the orphaned worker exits"
             )
+            assert list(tmp_path.iterdir()) == []
         finally:
             await client.shutdown()
             kill_all([core.pid, *worker_pids])
@@ -484,10 +488,11 @@ def test_kill_9_of_the_frontend_makes_the_core_and_its_worker_exit():
     ipc_dir = Path(address.removeprefix("ipc://")).parent
     try:
         assert len(pids) == 2
+        frontend_sockets = sorted(ipc_dir.iterdir())
         frontend.kill()
         frontend.wait()
         asyncio.run(wait_until(lambda: not any(map(is_alive, pids)), 15, "core and worker exit"))
-        assert list(ipc_dir.glob("workers-*")) == []  # the core still cleaned up after itself
+        assert sorted(ipc_dir.iterdir()) == frontend_sockets  # the core left nothing
     finally:
         kill_all(pids)
         frontend.stdout.close()

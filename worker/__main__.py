@@ -1,23 +1,23 @@
 """`python -m worker ...`: one device process, started by the engine core's Executor.
 
-Protocol (over a PULL from the core and a PUSH to it): load the model and profile memory, send
-`WorkerReady`; on `InitKVCache` allocate and send `KVCacheReady`; on each `SchedulerOutput` run
-one step (rank 0 sends the `ModelRunnerOutput`); on `Shutdown` exit 0. Any exception is sent as
-`WorkerError` and the process exits 1. SIGINT is ignored (the core decides when workers stop);
-a dead core is noticed within a second and the worker exits.
+Protocol (over the `MessagePipe` whose end the core passes as `--pipe-fd`): load the model and
+profile memory, send `WorkerReady`; on `InitKVCache` allocate and send `KVCacheReady`; on each
+`SchedulerOutput` run one step (rank 0 sends the `ModelRunnerOutput`); on `Shutdown` exit 0. Any
+exception is sent as `WorkerError` and the process exits 1. SIGINT is ignored (the core decides
+when workers stop). A dead core closes the pipe, which ends a worker waiting for a message at
+once; a worker busy loading a model notices within a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-
-import zmq
 
 from proto import (
     InitKVCache,
@@ -30,12 +30,12 @@ from proto import (
     WorkerReady,
 )
 from proto.engine_config import EngineConfig
+from proto.message_pipe import MessagePipe, PeerClosedError
 from worker.host_allocator import keep_freed_memory
 
 logger = logging.getLogger("worker")
 
 PARENT_POLL_INTERVAL_S = 0.5
-SEND_LINGER_MS = 2000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,11 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     _exit_when_orphaned(os.getppid())
     _export_distributed_env(args.dist_init_address, args.rank, args.world_size)
 
-    context = zmq.Context()
-    input_socket = context.socket(zmq.PULL)
-    input_socket.connect(args.input_address)
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.connect(args.output_address)
+    pipe = MessagePipe.from_fd(args.pipe_fd)
     encoder = MessageEncoder()
     try:
         worker = _make_worker(config, args.rank, args.world_size)
@@ -64,34 +60,36 @@ def main(argv: list[str] | None = None) -> int:
         ready = WorkerReady(
             args.rank, num_gpu_blocks, worker.max_model_len, device, worker.vocab_size
         )
-        output_socket.send_multipart(encoder.encode(ready))
-        _serve(worker, args.rank, config, input_socket, output_socket, encoder)
+        pipe.send(encoder.encode(ready))
+        _serve(worker, args.rank, pipe, encoder)
         _leave_process_group(config, args.world_size)
         return 0
+    except PeerClosedError:
+        logger.warning("worker rank %d exits: the engine core closed the pipe", args.rank)
+        return 1
     except Exception as exc:
         logger.exception("worker rank %d failed", args.rank)
         message = f"{type(exc).__name__}: {exc}"
-        output_socket.send_multipart(encoder.encode(WorkerError(args.rank, message)))
+        with contextlib.suppress(OSError):
+            pipe.send(encoder.encode(WorkerError(args.rank, message)))
         return 1
     finally:
-        input_socket.close(linger=0)
-        output_socket.close(linger=SEND_LINGER_MS)
-        context.term()
+        pipe.close()
 
 
-def _serve(worker, rank: int, config: EngineConfig, input_socket, output_socket, encoder) -> None:
+def _serve(worker, rank: int, pipe: MessagePipe, encoder: MessageEncoder) -> None:
     """Answers the core's messages until `Shutdown`; malformed input raises (fatal)."""
     # No size limit: the core is trusted, and one step may carry many full prompts.
     decoder = MessageDecoder([InitKVCache, SchedulerOutput, Shutdown], sys.maxsize)
     while True:
-        message = decoder.decode(input_socket.recv_multipart())
+        message = decoder.decode(pipe.recv())
         if isinstance(message, SchedulerOutput):
             model_runner_output = worker.execute_model(message)
             if rank == 0:
-                output_socket.send_multipart(encoder.encode(model_runner_output))
+                pipe.send(encoder.encode(model_runner_output))
         elif isinstance(message, InitKVCache):
             worker.initialize_cache(message.num_gpu_blocks)
-            output_socket.send_multipart(encoder.encode(KVCacheReady(rank)))
+            pipe.send(encoder.encode(KVCacheReady(rank)))
         else:
             return
 
@@ -168,8 +166,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--input-address", required=True, help="the core's PUSH for this rank")
-    parser.add_argument("--output-address", required=True, help="the core's PULL")
+    parser.add_argument(
+        "--pipe-fd", type=int, required=True, help="this process's end of the core's MessagePipe"
+    )
     parser.add_argument("--dist-init-address", required=True, help="tcp://HOST:PORT")
     parser.add_argument("--config", required=True, help="EngineConfig.to_b64()")
     return parser.parse_args(argv)

@@ -1,0 +1,146 @@
+"""MessagePipe: framing, large messages, a closed peer, timeouts, and a real child process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from proto import MessageDecoder, MessageEncoder, SchedulerOutput, Shutdown
+from proto.message_pipe import HEADER, MessagePipe, PeerClosedError, pipe_pair
+
+
+@pytest.fixture
+def pipes():
+    """Two connected pipe ends, both waiting at most 5 s."""
+    left_socket, right_socket = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    left, right = MessagePipe(left_socket, 5.0), MessagePipe(right_socket, 5.0)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def test_messages_arrive_whole_and_in_order_and_decode(pipes):
+    left, right = pipes
+    encoder = MessageEncoder()
+    decoder = MessageDecoder([SchedulerOutput, Shutdown])
+    step = SchedulerOutput([], [], {"a": 3}, total_num_scheduled_tokens=3)
+    for message in (step, Shutdown(), step):
+        left.send(encoder.encode(message))
+    assert [decoder.decode(right.recv()) for _ in range(3)] == [step, Shutdown(), step]
+
+
+def test_an_empty_payload_is_a_message(pipes):
+    left, right = pipes
+    left.send([b"\x07", b""])
+    code, payload = right.recv()
+    assert bytes(code) == b"\x07" and bytes(payload) == b""
+
+
+def test_messages_larger_than_the_buffers_arrive_whole_between_small_ones(pipes):
+    """8 MiB fits neither the kernel's socket buffer nor the pipe's read buffer: the send ends
+    only as the reader drains it, and the small messages around it keep their bytes."""
+    left, right = pipes
+    payloads = [b"before", os.urandom(8 * 1024 * 1024), b"after", os.urandom(70_000), b"end"]
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(right.recv() for _ in payloads))
+    reader.start()
+    for index, payload in enumerate(payloads):
+        left.send([bytes((index,)), payload])
+    reader.join(10)
+    assert [(bytes(code), bytes(body)) for code, body in received] == [
+        (bytes((index,)), payload) for index, payload in enumerate(payloads)
+    ]
+
+
+def test_a_closed_peer_fails_recv_and_send_with_peer_closed_error(pipes):
+    left, right = pipes
+    right.close()
+    with pytest.raises(PeerClosedError, match="closed"):
+        left.recv()
+    with pytest.raises(PeerClosedError):
+        for _ in range(2):  # the first send may still land in the buffer of a closing socket
+            left.send([b"\x01", b"x" * 1024])
+
+
+def test_a_peer_that_closes_mid_message_is_reported_with_the_byte_counts():
+    left_socket, right_socket = socket.socketpair()
+    pipe = MessagePipe(left_socket, 5.0)
+    right_socket.sendall(HEADER.pack(100, 1) + b"x" * 40)
+    right_socket.close()
+    with pytest.raises(PeerClosedError, match="after 40 of 100 bytes"):
+        pipe.recv()
+    pipe.close()
+
+
+def test_a_silent_peer_times_out(pipes):
+    left, right = pipes
+    left.timeout_s = 0.05
+    with pytest.raises(TimeoutError):
+        left.recv()
+    assert left.timeout_s == 0.05
+
+
+def test_a_full_pipe_times_out_instead_of_blocking_forever(pipes):
+    left, _ = pipes
+    left.timeout_s = 0.05
+    with pytest.raises(TimeoutError):
+        left.send([b"\x01", b"x" * (64 * 1024 * 1024)])  # nobody reads
+
+
+def test_bad_frames_are_refused_before_anything_is_sent(pipes):
+    left, right = pipes
+    with pytest.raises(ValueError, match="a type code is 1 byte, got 2"):
+        left.send([b"\x01\x02", b"x"])
+    with pytest.raises(ValueError):
+        left.send([b"\x01"])
+    right.timeout_s = 0.01
+    with pytest.raises(TimeoutError):
+        right.recv()  # nothing half-written is waiting
+
+
+CHILD_ECHO = """
+import sys
+from proto.message_pipe import MessagePipe, PeerClosedError
+pipe = MessagePipe.from_fd(int(sys.argv[1]))
+try:
+    while True:
+        code, payload = pipe.recv()
+        pipe.send([code, bytes(payload)[::-1]])
+except PeerClosedError:
+    sys.exit(3)
+"""
+
+
+def test_a_child_process_answers_over_its_inherited_end_and_sees_the_parent_close():
+    pipe, child_end = pipe_pair(timeout_s=10.0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD_ECHO, str(child_end.fileno())], pass_fds=[child_end.fileno()]
+    )
+    child_end.close()
+    try:
+        pipe.send([b"\x02", b"hello"])
+        code, payload = pipe.recv()
+        assert bytes(code) == b"\x02" and bytes(payload) == b"olleh"
+    finally:
+        pipe.close()
+    assert child.wait(10) == 3  # end of file, not a hang
+
+
+def test_a_child_that_dies_closes_the_pipe_at_once():
+    pipe, child_end = pipe_pair(timeout_s=10.0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=[child_end.fileno()]
+    )
+    child_end.close()
+    try:
+        child.kill()
+        with pytest.raises(PeerClosedError):
+            pipe.recv()
+    finally:
+        child.wait()
+        pipe.close()
