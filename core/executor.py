@@ -61,7 +61,7 @@ class WorkerProcess:
 
 
 class Executor:
-    """Owns the worker processes and their sockets; not thread-safe (the busy loop's thread)."""
+    """Owns the worker processes and their pipes; not thread-safe (the busy loop's thread)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
