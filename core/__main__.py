@@ -15,7 +15,7 @@ import sys
 
 from core.engine_core_proc import EngineCoreProc
 from core.process_watch import exit_when_orphaned
-from proto.endpoints import frontend_endpoints
+from proto.endpoints import frontend_endpoints, remove_dead_frontend_sockets
 from proto.engine_config import EngineConfig
 
 
@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s"
     )
     if args.watch_parent:
-        exit_when_orphaned(os.getppid(), grace_s=3 * config.shutdown_timeout_s)
+        # A frontend killed outright leaves its socket files; the core it launched removes them.
+        exit_when_orphaned(
+            os.getppid(),
+            grace_s=3 * config.shutdown_timeout_s,
+            on_orphaned=lambda: remove_dead_frontend_sockets(args.frontend_address),
+        )
     return EngineCoreProc(config, args.frontend_address).run()
 
 

@@ -7,19 +7,26 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 PARENT_POLL_INTERVAL_S = 0.5
 
 
-def exit_when_orphaned(parent_pid: int, grace_s: float) -> threading.Thread:
+def exit_when_orphaned(
+    parent_pid: int, grace_s: float, on_orphaned: Callable[[], None] = lambda: None
+) -> threading.Thread:
     """Starts a daemon thread that, once `parent_pid` stops being our parent (it died and we
-    were re-parented), sends this process SIGTERM for a clean shutdown and hard-exits if it is
-    still alive `grace_s` later. No child outlives its parent by more than that."""
+    were re-parented), calls `on_orphaned()`, sends this process SIGTERM for a clean shutdown
+    and hard-exits if it is still alive `grace_s` later. No child outlives its parent by more
+    than that."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_INTERVAL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            on_orphaned()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         os._exit(1)
 

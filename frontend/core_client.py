@@ -41,7 +41,7 @@ from proto import (
     UtilityRequest,
     UtilityResponse,
 )
-from proto.endpoints import frontend_endpoints
+from proto.endpoints import PRIVATE_IPC_DIR_PREFIX, frontend_endpoints
 from proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class AsyncCoreClient:
         self._start_dispatching()
 
     def _make_private_ipc_address(self) -> str:
-        self._ipc_dir = tempfile.mkdtemp(prefix="core-engine-")
+        self._ipc_dir = tempfile.mkdtemp(prefix=PRIVATE_IPC_DIR_PREFIX)
         os.chmod(self._ipc_dir, 0o700)
         return f"ipc://{self._ipc_dir}/engine"
 

@@ -6,7 +6,12 @@ The frontend binds, the core connects, and both derive the pair from the same si
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import NamedTuple
+
+# The prefix of the 0700 directory a frontend makes for its own ipc sockets (mkdtemp).
+PRIVATE_IPC_DIR_PREFIX = "core-engine-"
 
 
 class FrontendEndpoints(NamedTuple):
@@ -32,3 +37,18 @@ def frontend_endpoints(address: str) -> FrontendEndpoints:
         port = int(port_text)
         return FrontendEndpoints(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}")
     raise ValueError(f"frontend address must start with ipc:// or tcp://, got {address!r}")
+
+
+def remove_dead_frontend_sockets(address: str) -> None:
+    """After the frontend at `address` died without cleaning up: removes its two ipc socket
+    files, and their directory when it is a frontend's private one and nothing else is left in
+    it. Nothing to do for tcp://. Never raises for what is already gone."""
+    if not address.startswith("ipc://"):
+        return
+    for endpoint in frontend_endpoints(address):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(endpoint.removeprefix("ipc://"))
+    folder = os.path.dirname(address.removeprefix("ipc://"))
+    if os.path.basename(folder).startswith(PRIVATE_IPC_DIR_PREFIX):
+        with contextlib.suppress(OSError):  # gone already, or not empty
+            os.rmdir(folder)

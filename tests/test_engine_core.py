@@ -22,7 +22,11 @@ from proto import (
     SamplingParams,
     SchedulerOutput,
 )
-from proto.endpoints import frontend_endpoints
+from proto.endpoints import (
+    PRIVATE_IPC_DIR_PREFIX,
+    frontend_endpoints,
+    remove_dead_frontend_sockets,
+)
 from proto.engine_config import EngineConfig
 from worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE, NullWorker
 
@@ -124,6 +128,32 @@ def test_frontend_endpoints_derive_two_sockets_from_one_address():
     for bad in ("http://localhost:1", "tcp://localhost", "tcp://:80", "tcp://h:65535"):
         with pytest.raises(ValueError, match="address"):
             frontend_endpoints(bad)
+
+
+def _touch_frontend_sockets(folder) -> str:
+    folder.mkdir()
+    for name in ("engine-requests", "engine-outputs"):
+        (folder / name).touch()
+    return f"ipc://{folder}/engine"
+
+
+def test_a_dead_frontends_sockets_and_private_folder_are_removed(tmp_path):
+    private = tmp_path / f"{PRIVATE_IPC_DIR_PREFIX}abc"
+    remove_dead_frontend_sockets(_touch_frontend_sockets(private))
+    assert not private.exists()
+    remove_dead_frontend_sockets(f"ipc://{private}/engine")  # already gone: no error
+    remove_dead_frontend_sockets("tcp://127.0.0.1:5555")  # nothing on disk
+
+
+def test_a_folder_the_frontend_did_not_make_or_that_holds_more_is_kept(tmp_path):
+    chosen = tmp_path / "run"
+    remove_dead_frontend_sockets(_touch_frontend_sockets(chosen))
+    assert chosen.is_dir() and list(chosen.iterdir()) == []
+    private = tmp_path / f"{PRIVATE_IPC_DIR_PREFIX}xyz"
+    address = _touch_frontend_sockets(private)
+    (private / "other").touch()
+    remove_dead_frontend_sockets(address)
+    assert [path.name for path in private.iterdir()] == ["other"]
 
 
 # ---- NullWorker ------------------------------------------------------------------------------

@@ -488,12 +488,12 @@ def test_kill_9_of_the_frontend_makes_the_core_and_its_worker_exit():
     ipc_dir = Path(address.removeprefix("ipc://")).parent
     try:
         assert len(pids) == 2
-        frontend_sockets = sorted(ipc_dir.iterdir())
+        assert len(list(ipc_dir.iterdir())) == 2  # the frontend's two sockets
         frontend.kill()
         frontend.wait()
         asyncio.run(wait_until(lambda: not any(map(is_alive, pids)), 15, "core and worker exit"))
-        assert sorted(ipc_dir.iterdir()) == frontend_sockets  # the core left nothing
+        assert not ipc_dir.exists()  # the core removed what its dead frontend left
     finally:
         kill_all(pids)
         frontend.stdout.close()
-        shutil.rmtree(ipc_dir, ignore_errors=True)  # the frontend's own, left by its kill -9
+        shutil.rmtree(ipc_dir, ignore_errors=True)  # left only if the test failed
