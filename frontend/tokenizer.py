@@ -19,6 +19,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from proto.gguf_file import GGUFFile
 from proto.model_files import is_gguf_file
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
@@ -203,19 +204,7 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     Raises ValueError for SentencePiece ("llama") or other tokenizer models, and for a
     `tokenizer.ggml.pre` whose split rules are unknown.
     """
-    import gguf
-
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as error:
-        raise ValueError(f"{str(path)!r} is not a readable GGUF file: {error}") from error
-
-    def field(key: str, default: Any = None) -> Any:
-        value = reader.fields.get(key)
-        return default if value is None else value.contents()
-
+    field = GGUFFile(path).field
     tokenizer_model = field("tokenizer.ggml.model")
     if tokenizer_model != "gpt2":
         raise ValueError(

@@ -77,9 +77,9 @@ def open_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.
     if is_gguf_file(path):
         from worker.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
 
-        reader = open_gguf(path)
-        config = gguf_model_config(reader)
-        return config, iter_gguf_weights(reader, config)
+        gguf_file = open_gguf(path)
+        config = gguf_model_config(gguf_file)
+        return config, iter_gguf_weights(gguf_file, config)
     from worker.safetensors_loader import iter_safetensors_weights
 
     config = load_model_config(path)
