@@ -149,9 +149,8 @@ class EngineCoreProc:
                 self._send(outputs)
 
     def _wait_for_frontend(self) -> None:
-        """Blocks until the DEALER has a frame, re-checking the workers every POLL_INTERVAL_S."""
-        while not self.input_socket.poll(POLL_INTERVAL_S * 1000):
-            self.executor.check_alive()
+        """Blocks until the DEALER has a frame; a worker failing meanwhile raises at once."""
+        self.executor.wait_for_side_input()
 
     def _handle_input(self, item: InputItem) -> None:
         if isinstance(item, Request):

@@ -69,6 +69,7 @@ class Executor:
         self._encoder = MessageEncoder()
         self._decoder = MessageDecoder([WorkerReady, KVCacheReady, ModelRunnerOutput, WorkerError])
         self._poller = zmq.Poller()
+        self._fd_to_worker: dict[int, WorkerProcess] = {}
         self._side_socket: zmq.Socket | None = None
         self._on_side_input: Callable[[], None] = lambda: None
         try:
@@ -99,8 +100,9 @@ class Executor:
         finally:
             child_end.close()  # the worker's copy is the only one: its exit closes the pipe
         self._poller.register(pipe.fileno(), zmq.POLLIN)
+        self._fd_to_worker[pipe.fileno()] = worker = WorkerProcess(rank, process, pipe)
         logger.info("started worker rank %d (pid %d)", rank, process.pid)
-        return WorkerProcess(rank, process, pipe)
+        return worker
 
     # ---- start-up handshake ----------------------------------------------------------------
 
@@ -119,6 +121,20 @@ class Executor:
         `on_input()` is called (it must read without blocking); the wait goes on after it."""
         self._side_socket, self._on_side_input = socket, on_input
         self._poller.register(socket, zmq.POLLIN)
+
+    def wait_for_side_input(self) -> None:
+        """Blocks, between steps, until the `read_while_waiting` socket has input. A worker
+        that exits or reports an error meanwhile raises WorkerFailedError at once (its pipe
+        turns readable); liveness is also re-checked every POLL_INTERVAL_S."""
+        while True:
+            ready = self._poller.poll(POLL_INTERVAL_S * 1000)
+            if not ready:
+                self.check_alive()
+            for source, _ in ready:
+                if source is not self._side_socket:
+                    raise self._unexpected_message(self._fd_to_worker[source], "between steps")
+            if ready:
+                return
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -203,7 +219,6 @@ class Executor:
         """Rank -> answer of type `expected` from `num_answers` ranks (default: all)."""
         num_answers = len(self.workers) if num_answers is None else num_answers
         rank_to_answer: dict[int, msgspec.Struct] = {}
-        fd_to_worker = {worker.pipe.fileno(): worker for worker in self.workers}
         deadline = time.monotonic() + timeout_s
         while len(rank_to_answer) < num_answers:
             remaining_s = deadline - time.monotonic()
@@ -219,16 +234,30 @@ class Executor:
                 if source is self._side_socket:
                     self._on_side_input()
                     continue
-                worker = fd_to_worker[source]  # the poller names a pipe by its fd
+                worker = self._fd_to_worker[source]  # the poller names a pipe by its fd
                 message = self._receive(worker)
-                if isinstance(message, WorkerError):
-                    raise self._worker_failed(message)
                 if not isinstance(message, expected):
-                    raise WorkerFailedError(
-                        f"expected {expected.__name__} during {what}, got {type(message).__name__}"
-                    )
+                    raise self._unexpected_message(worker, f"during {what}", message, expected)
                 rank_to_answer[worker.rank] = message
         return rank_to_answer
+
+    def _unexpected_message(
+        self,
+        worker: WorkerProcess,
+        when: str,
+        message: msgspec.Struct | None = None,
+        expected: type | None = None,
+    ) -> WorkerFailedError:
+        """The error for a message from `worker` that was not awaited (read now if `message`
+        is None): the worker's own error or death if that is what it was."""
+        message = self._receive(worker) if message is None else message
+        if isinstance(message, WorkerError):
+            return self._worker_failed(message)
+        wanted = f"expected {expected.__name__}, " if expected is not None else ""
+        return WorkerFailedError(
+            f"worker rank {worker.rank} sent {type(message).__name__} {when} ({wanted}"
+            "the worker and the core disagree on the protocol)"
+        )
 
     def _receive(self, worker: WorkerProcess) -> msgspec.Struct:
         """The next message from `worker` (call when its pipe is readable)."""

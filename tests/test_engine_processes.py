@@ -374,6 +374,20 @@ def test_kill_9_of_a_worker_fails_every_in_flight_request_and_the_core_exits():
     asyncio.run(scenario())
 
 
+def test_kill_9_of_a_worker_of_an_idle_engine_is_seen_without_a_request():
+    """Between steps the core waits on the frontend and the workers' pipes together."""
+
+    async def scenario():
+        async with running_engine() as (client, pids):
+            core_pid, worker_pid = pids
+            os.kill(worker_pid, signal.SIGKILL)
+            await wait_until(lambda: client.is_dead, 10, "the client sees the engine die")
+            assert f"worker rank 0 (pid {worker_pid}) died (signal SIGKILL)" in client.dead_reason
+            await wait_until(lambda: not is_alive(core_pid), 10, "the core exits")
+
+    asyncio.run(scenario())
+
+
 def test_kill_9_of_the_core_raises_engine_dead_error_and_the_worker_exits():
     async def scenario():
         async with running_engine(**LONG_RUNNING) as (client, pids):
