@@ -127,7 +127,7 @@ class Executor:
         that exits or reports an error meanwhile raises WorkerFailedError at once (its pipe
         turns readable); liveness is also re-checked every POLL_INTERVAL_S."""
         while True:
-            ready = self._poller.poll(POLL_INTERVAL_S * 1000)
+            ready = self._poll(POLL_INTERVAL_S)
             if not ready:
                 self.check_alive()
             for source, _ in ready:
@@ -227,7 +227,7 @@ class Executor:
                     f"{len(rank_to_answer)} of {num_answers} workers answered {what} within "
                     f"{timeout_s} s"
                 )
-            ready = self._poller.poll(min(remaining_s, POLL_INTERVAL_S) * 1000)
+            ready = self._poll(min(remaining_s, POLL_INTERVAL_S))
             if not ready:
                 self.check_alive()
             for source, _ in ready:
@@ -240,6 +240,16 @@ class Executor:
                     raise self._unexpected_message(worker, f"during {what}", message, expected)
                 rank_to_answer[worker.rank] = message
         return rank_to_answer
+
+    def _poll(self, timeout_s: float) -> list[tuple[object, int]]:
+        """(source, event) pairs ready now, waiting up to `timeout_s`: the side socket, or a
+        pipe by its fd. A pipe holding read-ahead bytes is ready without a poll."""
+        buffered = [
+            (fd, zmq.POLLIN) for fd, w in self._fd_to_worker.items() if w.pipe.has_buffered_bytes
+        ]
+        if buffered:
+            return buffered
+        return self._poller.poll(timeout_s * 1000)
 
     def _unexpected_message(
         self,
@@ -302,7 +312,7 @@ class Executor:
 
 
 def _is_readable(pipe: MessagePipe) -> bool:
-    return bool(zmq.select([pipe], [], [], 0)[0])
+    return pipe.has_buffered_bytes or bool(zmq.select([pipe], [], [], 0)[0])
 
 
 def _describe_worker_error(error: WorkerError) -> str:

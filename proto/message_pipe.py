@@ -62,8 +62,15 @@ class MessagePipe:
         self._socket.settimeout(timeout_s)
 
     def fileno(self) -> int:
-        """The socket's descriptor, so that `select`/`zmq.Poller` can wait on the pipe."""
+        """The socket's descriptor, so that `select`/`zmq.Poller` can wait on the pipe. A poll
+        sees only the socket: check `has_buffered_bytes` first (see `recv`)."""
         return self._socket.fileno()
+
+    @property
+    def has_buffered_bytes(self) -> bool:
+        """True when a read took in bytes that `recv` has not returned yet (the start of the
+        next message, or all of it): the socket may then have nothing left to poll."""
+        return self._end > self._start
 
     def send(self, frames: Sequence[bytes]) -> None:
         """Sends one message: `frames` is `[type code (1 byte), payload]`."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -32,6 +34,21 @@ def test_messages_arrive_whole_and_in_order_and_decode(pipes):
     for message in (step, Shutdown(), step):
         left.send(encoder.encode(message))
     assert [decoder.decode(right.recv()) for _ in range(3)] == [step, Shutdown(), step]
+
+
+def test_read_ahead_bytes_are_reported_so_a_poller_does_not_wait_on_them(pipes):
+    """Two messages sent together arrive in one read: after the first `recv` the socket has
+    nothing left to poll, and `has_buffered_bytes` says the second is already here."""
+    left, right = pipes
+    left.send([b"\x01", b"first"])
+    left.send([b"\x02", b"second"])
+    time.sleep(0.05)  # both are in the socket before the first read
+    assert not right.has_buffered_bytes
+    assert bytes(right.recv()[1]) == b"first"
+    assert right.has_buffered_bytes
+    assert select.select([right], [], [], 0)[0] == []
+    assert bytes(right.recv()[1]) == b"second"
+    assert not right.has_buffered_bytes
 
 
 def test_an_empty_payload_is_a_message(pipes):
