@@ -2,9 +2,9 @@
 
 Built on the `tokenizers` library (no torch, no transformers). An HF folder provides
 tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json); a GGUF
-file provides the vocabulary, merges, token types and special ids as metadata, from which the
-byte-level BPE tokenizer llama.cpp would use is rebuilt (pre-tokenizer chosen by
-`tokenizer.ggml.pre`). Chat templates render in a sandboxed jinja2 environment configured like
+file provides the vocabulary, merges or scores, token types and special ids as metadata, from
+which the tokenizer llama.cpp would use is rebuilt: byte-level BPE (pre-tokenizer chosen by
+`tokenizer.ggml.pre`) or SentencePiece BPE with byte fallback. Chat templates render in a sandboxed jinja2 environment configured like
 transformers' (trim_blocks, lstrip_blocks, loop controls, `tojson`, `raise_exception`).
 """
 
@@ -29,6 +29,7 @@ CHAT_TEMPLATE_JSON_FILE_NAME = "chat_template.json"
 GENERATION_CONFIG_FILE_NAME = "generation_config.json"
 CONFIG_FILE_NAME = "config.json"
 
+SENTENCEPIECE_SPACE = "\u2581"
 # llama.cpp token types (tokenizer.ggml.token_type).
 GGUF_CONTROL_TOKEN = 3
 GGUF_USER_DEFINED_TOKEN = 4
@@ -199,29 +200,42 @@ def load_hf_tokenizer(folder: Path) -> Tokenizer:
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
-    """Rebuilds the byte-level BPE tokenizer ("gpt2" model) described by GGUF metadata.
+    """Rebuilds the tokenizer that GGUF metadata describes: byte-level BPE ("gpt2" model,
+    pre-tokenizer chosen by `tokenizer.ggml.pre`) or SentencePiece BPE ("llama" model: Llama 2,
+    Mistral, TinyLlama and their kin).
 
-    Raises ValueError for SentencePiece ("llama") or other tokenizer models, and for a
-    `tokenizer.ggml.pre` whose split rules are unknown.
+    Raises ValueError for other tokenizer models, and for a `tokenizer.ggml.pre` whose split
+    rules are unknown.
     """
     field = GGUFFile(path).field
     tokenizer_model = field("tokenizer.ggml.model")
-    if tokenizer_model != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {tokenizer_model!r} is not supported (only byte-level BPE, "
-            "'gpt2'); use the model's Hugging Face folder with its tokenizer.json"
-        )
-    pre = field("tokenizer.ggml.pre", "default")
-    if pre not in GGUF_PRE_TOKENIZER_SPLITS:
-        raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
-            f"{', '.join(GGUF_PRE_TOKENIZER_SPLITS)}"
-        )
     tokens = field("tokenizer.ggml.tokens")
     token_types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend = build_byte_level_bpe(
-        tokens, field("tokenizer.ggml.merges") or [], token_types, GGUF_PRE_TOKENIZER_SPLITS[pre]
-    )
+    if tokenizer_model == "gpt2":
+        pre = field("tokenizer.ggml.pre", "default")
+        if pre not in GGUF_PRE_TOKENIZER_SPLITS:
+            raise ValueError(
+                f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+                f"{', '.join(GGUF_PRE_TOKENIZER_SPLITS)}"
+            )
+        backend = build_byte_level_bpe(
+            tokens,
+            field("tokenizer.ggml.merges") or [],
+            token_types,
+            GGUF_PRE_TOKENIZER_SPLITS[pre],
+        )
+    elif tokenizer_model == "llama":
+        backend = build_sentencepiece_bpe(
+            tokens, field("tokenizer.ggml.scores"), token_types, field("tokenizer.ggml.merges")
+        )
+    else:
+        raise ValueError(
+            f"GGUF tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', "
+            "byte-level BPE, and 'llama', SentencePiece BPE); use the model's Hugging Face "
+            "folder with its tokenizer.json"
+        )
+    # llama.cpp adds bos by default for SentencePiece vocabularies, not for byte-level ones.
+    add_bos_default = tokenizer_model == "llama"
 
     def token_at(key: str) -> str | None:
         token_id = field(f"tokenizer.ggml.{key}")
@@ -235,7 +249,11 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     }
     _set_special_token_post_processor(
         backend,
-        bos=special_tokens["bos_token"] if field("tokenizer.ggml.add_bos_token", False) else None,
+        bos=(
+            special_tokens["bos_token"]
+            if field("tokenizer.ggml.add_bos_token", add_bos_default)
+            else None
+        ),
         eos=special_tokens["eos_token"] if field("tokenizer.ggml.add_eos_token", False) else None,
     )
     eos_token_ids = _unique_ids(
@@ -270,6 +288,13 @@ def build_byte_level_bpe(
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     backend.decoder = decoders.ByteLevel()
+    _add_typed_tokens(backend, tokens, token_types)
+    return backend
+
+
+def _add_typed_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """Control tokens become special added tokens, user-defined ones plain added tokens, so
+    both are matched whole in the text, as llama.cpp does."""
     typed = list(zip(tokens, token_types, strict=True))
     backend.add_special_tokens(
         [
@@ -285,7 +310,57 @@ def build_byte_level_bpe(
             if kind == GGUF_USER_DEFINED_TOKEN
         ]
     )
+
+
+def build_sentencepiece_bpe(
+    tokens: list[str],
+    scores: list[float] | None,
+    token_types: list[int],
+    merges: list[str] | None = None,
+) -> BackendTokenizer:
+    """A SentencePiece BPE tokenizer (Llama 2 style): spaces are spelled U+2581 and one is put
+    before the text, pieces merge by score, and characters outside the vocabulary fall back to
+    its `<0xNN>` byte tokens. The merges are the file's when it lists them, else the ones the
+    scores imply (`merges_from_scores`).
+    """
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    if merges:
+        merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    elif scores is not None:
+        merge_pairs = merges_from_scores(tokens, scores)
+    else:
+        raise ValueError("a SentencePiece GGUF vocabulary needs tokenizer.ggml.scores or merges")
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=True, byte_fallback=True)
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SENTENCEPIECE_SPACE, prepend_scheme="first", split=False
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(SENTENCEPIECE_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    _add_typed_tokens(backend, tokens, token_types)
     return backend
+
+
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every way to cut a piece into two
+    pieces of the vocabulary, the best-scored merged piece first (ties: longer left part, then
+    longer right part, then the parts' ids), so BPE rebuilds the pieces SentencePiece would."""
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    candidates = []
+    for token, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-score, -len(left), -len(right), vocab[left], vocab[right]))
+    candidates.sort()
+    return [(tokens[left_id], tokens[right_id]) for *_, left_id, right_id in candidates]
 
 
 def compile_chat_template(source: str):

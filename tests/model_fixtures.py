@@ -310,9 +310,12 @@ _HF_TO_GGUF_GLOBAL_NAMES = {
 }
 
 
-def write_gguf_from_transformers_model(model: torch.nn.Module, path: Path, arch: str) -> Path:
+def write_gguf_from_transformers_model(
+    model: torch.nn.Module, path: Path, arch: str, add_metadata=None
+) -> Path:
     """Writes `model` (a transformers Llama/Qwen2/Qwen3) as an F32 GGUF the way llama.cpp's
-    converter does, Q/K rows permuted for arch "llama"; returns `path`."""
+    converter does, Q/K rows permuted for arch "llama"; `add_metadata(writer)`, if given, adds
+    more (a tokenizer, say). Returns `path`."""
     import gguf
     import numpy as np
 
@@ -333,6 +336,8 @@ def write_gguf_from_transformers_model(model: torch.nn.Module, path: Path, arch:
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if add_metadata is not None:
+        add_metadata(writer)
     if config.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor(
             "rope_freqs.weight", _llama_cpp_rope_freqs(config.rope_parameters, head_dim)
