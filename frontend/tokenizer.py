@@ -4,8 +4,9 @@ Built on the `tokenizers` library (no torch, no transformers). An HF folder prov
 tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json); a GGUF
 file provides the vocabulary, merges or scores, token types and special ids as metadata, from
 which the tokenizer llama.cpp would use is rebuilt: byte-level BPE (pre-tokenizer chosen by
-`tokenizer.ggml.pre`) or SentencePiece BPE with byte fallback. Chat templates render in a sandboxed jinja2 environment configured like
-transformers' (trim_blocks, lstrip_blocks, loop controls, `tojson`, `raise_exception`).
+`tokenizer.ggml.pre`) or SentencePiece BPE with byte fallback. Chat templates render in a
+sandboxed jinja2 environment configured like transformers' (trim_blocks, lstrip_blocks, loop
+controls, `tojson`, `raise_exception`).
 """
 
 from __future__ import annotations
