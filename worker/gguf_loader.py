@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,14 +60,6 @@ ELEMENT_DTYPES = {
     "I32": np.int32,
     "I64": np.int64,
 }
-
-
-def open_gguf(path: Path) -> GGUFFile:
-    """Reads `path`'s metadata and tensor table (tensor data is mapped later, lazily).
-
-    Raises FileNotFoundError if missing, ValueError if the file is not a readable GGUF.
-    """
-    return GGUFFile(path)
 
 
 def gguf_model_config(gguf_file: GGUFFile) -> ModelConfig:

@@ -100,9 +100,10 @@ def load_model_config(path: Path) -> ModelConfig:
     """
     path = Path(path)
     if is_gguf_file(path):
-        from worker.gguf_loader import gguf_model_config, open_gguf
+        from proto.gguf_file import GGUFFile
+        from worker.gguf_loader import gguf_model_config
 
-        return gguf_model_config(open_gguf(path))
+        return gguf_model_config(GGUFFile(path))
     config_path = path / HF_CONFIG_FILE_NAME
     if not config_path.is_file():
         raise FileNotFoundError(

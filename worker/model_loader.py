@@ -75,9 +75,10 @@ def open_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.
     A GGUF file is opened once for both.
     """
     if is_gguf_file(path):
-        from worker.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
+        from proto.gguf_file import GGUFFile
+        from worker.gguf_loader import gguf_model_config, iter_gguf_weights
 
-        gguf_file = open_gguf(path)
+        gguf_file = GGUFFile(path)
         config = gguf_model_config(gguf_file)
         return config, iter_gguf_weights(gguf_file, config)
     from worker.safetensors_loader import iter_safetensors_weights
