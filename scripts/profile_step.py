@@ -1,0 +1,306 @@
+"""Where a step's time goes on the CPU worker: linears, attention, norms and rotary, SiLU-and-mul,
+LM head, sampling, host-side preparation, the scheduler, and the IPC of the step's messages.
+
+Runs the offline benchmark's mixed workload (48 prompts, greedy, ignore_eos) in one process, the
+core `Scheduler` driving a `Worker` as `scripts/generate.py` does, with a timer around each
+part. Steps are split into decode steps (every scheduled request runs one token) and prefill
+steps (at least one request runs a prompt chunk); each kind gets milliseconds per step and the
+share of each part. Timers nest: a part's time excludes the timed parts inside it, and
+"forward, untimed" is what remains of the model call (residual adds, reshapes, Python).
+IPC is what the multi-process engine adds per step, measured here on the step's real messages:
+encoding the `SchedulerOutput` and `ModelRunnerOutput`, one trip each through a socketpair
+(`MessagePipe`), decoding.
+
+    python -m scripts.profile_step [--dtype float32|bfloat16] [--threads N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from core.request import Request
+from core.scheduler import Scheduler
+from frontend.tokenizer import load_tokenizer
+from proto import (
+    MessageDecoder,
+    MessageEncoder,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
+from proto.engine_config import EngineConfig
+from proto.message_pipe import MessagePipe
+from proto.model_files import resolve_model_path
+from scripts.bench_common import (
+    RESULTS_DIR,
+    machine_info,
+    markdown_table,
+    result_name,
+    write_results,
+)
+from scripts.bench_offline import FULL_SHAPE, QUICK_SHAPE, build_workloads
+from scripts.generate import load_worker, make_scheduler_config
+from worker import layers, model_runner, sampler
+from worker.models import llama
+
+PARTS = (
+    "linears (qkv, o, gate_up, down)",
+    "attention (KV write + paged attention)",
+    "norms and rotary",
+    "SiLU-and-mul",
+    "embedding",
+    "LM head",
+    "sampling",
+    "forward, untimed (residual adds, reshapes, Python)",
+    "host-side preparation (batch update, metadata)",
+    "scheduler (schedule + update_from_output)",
+    "IPC (encode, socketpair, decode)",
+)
+FORWARD = "forward, untimed (residual adds, reshapes, Python)"
+
+
+class PartTimer:
+    """Accumulates self time per part for the current step; nested parts are subtracted."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = defaultdict(float)
+        self._child_time: list[float] = []
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        self._child_time.append(0.0)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            children = self._child_time.pop()
+            self.step[name] += elapsed - children
+            if self._child_time:
+                self._child_time[-1] += elapsed
+
+    def wrap(self, owner: object, attribute: str, name: str) -> None:
+        """Replaces `owner.attribute` (a function or method) with a timed version."""
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            with self.part(name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attribute, timed)
+
+    def take_step(self) -> dict[str, float]:
+        step, self.step = self.step, defaultdict(float)
+        return step
+
+
+def instrument(timer: PartTimer) -> None:
+    """Puts a timer around every part of the worker's step (patches classes of this process)."""
+    for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        timer.wrap(cls, "forward", PARTS[0])
+    timer.wrap(llama, "write_kv_and_attend", PARTS[1])
+    for owner, attribute in (
+        (layers.RMSNorm, "forward"),
+        (layers.RotaryEmbedding, "forward"),
+        (llama, "apply_rotary"),
+    ):
+        timer.wrap(owner, attribute, PARTS[2])
+    timer.wrap(layers.SiluAndMul, "forward", PARTS[3])
+    timer.wrap(layers.VocabParallelEmbedding, "forward", PARTS[4])
+    timer.wrap(layers.ParallelLMHead, "compute_logits", PARTS[5])
+    timer.wrap(sampler.Sampler, "__call__", PARTS[6])
+    timer.wrap(model_runner.ModelRunner, "execute_model", FORWARD)
+    for attribute in ("_update_states", "_prepare_inputs"):
+        timer.wrap(model_runner.ModelRunner, attribute, PARTS[8])
+
+
+class MessageRoundTrip:
+    """Sends a message through a socketpair and decodes it on the other end, as the engine's
+    core <-> worker link does (both ends in this process: no process wake-up is counted)."""
+
+    def __init__(self) -> None:
+        left, right = socket.socketpair()
+        self.sender, self.receiver = MessagePipe(left), MessagePipe(right)
+        self.encoder = MessageEncoder()
+        self.decoder = MessageDecoder((SchedulerOutput, ModelRunnerOutput))
+
+    def __call__(self, message) -> None:
+        self.sender.send(self.encoder.encode(message))
+        self.decoder.decode(self.receiver.recv())
+
+
+def run_profiled(
+    scheduler: Scheduler, worker, requests: list[Request], timer: PartTimer
+) -> list[dict]:
+    """Steps the workload to the end; one record per step: kind, tokens, seconds per part."""
+    for request in requests:
+        scheduler.add_request(request)
+    ipc = MessageRoundTrip()
+    steps = []
+    while scheduler.has_unfinished_requests():
+        start = time.perf_counter()
+        with timer.part(PARTS[9]):
+            scheduler_output = scheduler.schedule()
+        with timer.part(PARTS[10]):
+            ipc(scheduler_output)
+        output: ModelRunnerOutput = worker.execute_model(scheduler_output)
+        with timer.part(PARTS[10]):
+            ipc(output)
+        with timer.part(PARTS[9]):
+            scheduler.update_from_output(scheduler_output, output)
+        counts = scheduler_output.num_scheduled_tokens.values()
+        steps.append(
+            {
+                "kind": "decode" if max(counts, default=0) <= 1 else "prefill",
+                "num_tokens": scheduler_output.total_num_scheduled_tokens,
+                "num_requests": len(scheduler_output.num_scheduled_tokens),
+                "seconds": time.perf_counter() - start,
+                "parts": dict(timer.take_step()),
+            }
+        )
+    return steps
+
+
+def summarize(steps: list[dict], kind: str) -> dict:
+    """Mean milliseconds per step of each part over the steps of one kind, and their shares."""
+    chosen = [step for step in steps if step["kind"] == kind]
+    if not chosen:
+        return {"num_steps": 0}
+    total_s = sum(step["seconds"] for step in chosen)
+    parts = {name: sum(step["parts"].get(name, 0.0) for step in chosen) for name in PARTS}
+    parts["other (loop, untimed)"] = total_s - sum(parts.values())
+    return {
+        "num_steps": len(chosen),
+        "mean_tokens_per_step": sum(step["num_tokens"] for step in chosen) / len(chosen),
+        "mean_requests_per_step": sum(step["num_requests"] for step in chosen) / len(chosen),
+        "ms_per_step": 1000 * total_s / len(chosen),
+        "total_s": total_s,
+        "parts_ms_per_step": {name: 1000 * s / len(chosen) for name, s in parts.items()},
+        "parts_share": {name: s / total_s for name, s in parts.items()},
+    }
+
+
+def render_markdown(result: dict) -> str:
+    kinds = result["summary"]
+    names = list(next(iter(s for s in kinds.values() if s["num_steps"]))["parts_ms_per_step"])
+    header = ["part"]
+    for kind, summary in kinds.items():
+        if summary["num_steps"]:
+            header += [f"{kind} ms/step", f"{kind} share"]
+    rows = []
+    for name in names:
+        row = [name]
+        for summary in kinds.values():
+            if summary["num_steps"]:
+                row += [
+                    f"{summary['parts_ms_per_step'][name]:.2f}",
+                    f"{100 * summary['parts_share'][name]:.1f}%",
+                ]
+        rows.append(row)
+    totals = ["**step**"]
+    for summary in kinds.values():
+        if summary["num_steps"]:
+            totals += [f"**{summary['ms_per_step']:.2f}**", "100%"]
+    rows.append(totals)
+    lines = [
+        f"### Step breakdown, CPU worker ({result['dtype']}, {result['threads']} threads, "
+        f"{result['workload']})",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
+    for kind, summary in kinds.items():
+        if summary["num_steps"]:
+            lines.append(
+                f"- {kind}: {summary['num_steps']} steps, {summary['mean_requests_per_step']:.1f} "
+                f"requests and {summary['mean_tokens_per_step']:.1f} tokens per step on average."
+            )
+    lines += [
+        f"- Whole workload: {result['output_tokens']} output tokens in {result['elapsed_s']:.2f} s "
+        f"= {result['output_tokens_per_s']:.1f} tok/s (timers included).",
+        "",
+        "Parts are self times (a nested timed part is not counted twice). IPC: the step's "
+        "`SchedulerOutput` and `ModelRunnerOutput` encoded, sent through a socketpair and "
+        "decoded, without the cross-process wake-up (see `ipc.md` for round trips).",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default=None, help="default: the engine's default on cpu")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: the worker's default)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="a small workload")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="profile_step", help="results file name")
+    return parser.parse_args()
+
+
+def make_requests(workload, block_size: int) -> list[Request]:
+    return [
+        Request(
+            str(i),
+            list(prompt),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            eos_token_id=None,
+            block_size=block_size,
+        )
+        for i, (prompt, max_tokens) in enumerate(
+            zip(workload.prompt_token_ids, workload.max_tokens, strict=True)
+        )
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    machine = machine_info()
+    config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, max_num_seqs=256)
+    worker = load_worker(config)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(resolve_model_path(args.model))
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    (workload,) = build_workloads(shape, tokenizer.encode, args.seed, ["mixed"], None)
+    scheduler_config = make_scheduler_config(config, worker)
+    timer = PartTimer()
+    instrument(timer)
+    for _ in range(2):  # the first run warms up allocations and kernel builds
+        worker.initialize_cache(scheduler_config.num_gpu_blocks)
+        start = time.perf_counter()
+        steps = run_profiled(
+            Scheduler(scheduler_config), worker, make_requests(workload, worker.block_size), timer
+        )
+        elapsed_s = time.perf_counter() - start
+    result = {
+        "benchmark": "profile_step",
+        "quick": args.quick,
+        "machine": machine,
+        "dtype": str(worker.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "workload": workload.description,
+        "output_tokens": workload.num_output_tokens,
+        "elapsed_s": elapsed_s,
+        "output_tokens_per_s": workload.num_output_tokens / elapsed_s,
+        "summary": {kind: summarize(steps, kind) for kind in ("decode", "prefill")},
+    }
+    write_results(
+        result, render_markdown(result), args.output_dir, result_name(args.name, args.quick)
+    )
+    print(render_markdown(result))
+
+
+if __name__ == "__main__":
+    main()
