@@ -144,7 +144,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 FIELD_HELP = {
     "model": "HF folder or .gguf file (None: the default SmolLM2-135M-Instruct; 'null': no model)",
     "device": "auto, cpu or cuda",
-    "dtype": "float32, float16 or bfloat16 (None: float32 on CPU, the checkpoint's on CUDA)",
+    "dtype": (
+        "float32, float16 or bfloat16 (None: bfloat16 on CUDA and on CPUs with avx512_bf16 or "
+        "AMX, float32 on other CPUs)"
+    ),
     "block_size": "tokens per KV cache block",
     "max_num_seqs": "most requests running in one step",
     "max_num_batched_tokens": "token budget of one step; longer prompts are chunked",

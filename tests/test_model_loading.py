@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from worker.layers import (
     VocabParallelEmbedding,
 )
 from worker.model_config import load_model_config, model_config_from_dicts
-from worker.model_loader import load_model, resolve_dtype
+from worker.model_loader import load_model
 
 CPU = torch.device("cpu")
 
@@ -199,19 +198,6 @@ def test_unsupported_dtype_is_named(tiny_folder):
         ValueError, match=r"unsupported dtype torch.int8; supported: float32, float16, bfloat16"
     ):
         load_model(tiny_folder, CPU, torch.int8)
-    config = load_model_config(tiny_folder)
-    with pytest.raises(ValueError, match=r"unsupported dtype 'float64'"):
-        resolve_dtype("float64", config, CPU)
-    assert resolve_dtype("auto", config, CPU) == torch.float32
-    assert (
-        resolve_dtype(None, replace(config, torch_dtype="float16"), torch.device("cuda"))
-        == torch.float16
-    )
-    assert (
-        resolve_dtype(None, replace(config, torch_dtype=None), torch.device("cuda"))
-        == torch.bfloat16
-    )
-    assert resolve_dtype("bfloat16", config, CPU) == torch.bfloat16
 
 
 def test_unsupported_checkpoint_tensor_dtype_is_named(tiny_folder):

@@ -128,7 +128,7 @@ def test_cuda_ranks_need_one_gpu_each(monkeypatch):
 def test_cpu_ranks_share_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert share_cpu_threads(1) == 7 == torch.get_num_threads()  # one core left for the rest
+    assert share_cpu_threads(1) == 8 == torch.get_num_threads()  # every core the process may use
     assert share_cpu_threads(3) == 2 == torch.get_num_threads()
     assert share_cpu_threads(16) == 1 == torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "3")

@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from scripts.generate import generate_token_ids, main
 from tests.model_fixtures import build_tiny_model_folder
 from tests.test_generation_parity import hf_greedy
 from tests.tiny_causal_lm import TinyCausalLM
-from worker import memory_profiler
+from worker import cpu_features, memory_profiler
+from worker.cpu_features import default_cpu_dtype, host_cpu_flags, parse_cpu_flags
 from worker.memory_profiler import GiB
 from worker.worker import Worker, resolve_device, resolve_dtype
 
@@ -62,8 +64,39 @@ def test_unknown_device_and_dtype_name_the_choices():
         Worker(device="cpu", dtype="int4")
 
 
+AVX2_ONLY_FLAGS = "fpu sse2 avx avx2 fma"  # an AMD Zen 2 / Intel Skylake client
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (AVX2_ONLY_FLAGS, torch.float32),
+        (AVX2_ONLY_FLAGS + " avx512f avx512bw avx512vl", torch.float32),  # AVX-512 without bf16
+        (AVX2_ONLY_FLAGS + " avx512f avx512_bf16", torch.bfloat16),  # Zen 4, Cooper Lake
+        (AVX2_ONLY_FLAGS + " amx_tile amx_bf16 amx_int8", torch.bfloat16),  # Sapphire Rapids
+        ("", torch.float32),  # cpuinfo unreadable or not x86
+    ],
+)
+def test_cpu_default_dtype_follows_native_bf16(monkeypatch, flags, expected):
+    cpuinfo = f"processor\t: 0\nvendor_id\t: X\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
+    assert default_cpu_dtype(parse_cpu_flags(cpuinfo)) == expected
+    monkeypatch.setattr(cpu_features, "host_cpu_flags", lambda: parse_cpu_flags(cpuinfo))
+    assert resolve_dtype(None, CPU) == expected
+    assert resolve_dtype("float32", CPU) == torch.float32  # --dtype overrides
+    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+
+
+def test_arm_features_line_is_read():
+    cpuinfo = "processor\t: 0\nFeatures\t: fp asimd bf16 sve\n"
+    assert parse_cpu_flags(cpuinfo) == {"fp", "asimd", "bf16", "sve"}
+
+
+def test_host_flags_match_this_machine():
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert host_cpu_flags() == parse_cpu_flags(text)
+
+
 def test_default_dtypes():
-    assert resolve_dtype(None, CPU) == torch.float32
     assert resolve_dtype(None, torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype("float16", CPU) == torch.float16
 

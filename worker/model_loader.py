@@ -14,7 +14,6 @@ from worker.model_config import ModelConfig, load_model_config
 from worker.models import get_model_class
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-NAME_TO_DTYPE = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 # Checkpoint tensors with no parameter here (recomputed buffers).
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -42,31 +41,6 @@ def load_model(
         model = get_model_class(config.architecture)(config, tp_rank, tp_size)
     load_weights(model, weights)
     return model.eval(), config
-
-
-def resolve_dtype(
-    dtype: str | torch.dtype | None, config: ModelConfig, device: torch.device
-) -> torch.dtype:
-    """The compute dtype for a user's choice: a name, a torch.dtype, or None/"auto".
-
-    "auto" is float32 on CPU (exact, and the reference path), else the checkpoint's
-    float16/bfloat16 dtype, else bfloat16 (quantized GGUF files have no native dtype).
-    """
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPE_NAMES:
-            raise ValueError(
-                f"unsupported dtype {dtype}; supported: {', '.join(DTYPE_NAMES.values())}"
-            )
-        return dtype
-    if dtype is None or dtype == "auto":
-        if torch.device(device).type == "cpu":
-            return torch.float32
-        return NAME_TO_DTYPE.get(config.torch_dtype or "", torch.bfloat16)
-    if dtype not in NAME_TO_DTYPE:
-        raise ValueError(
-            f"unsupported dtype {dtype!r}; supported: auto, {', '.join(NAME_TO_DTYPE)}"
-        )
-    return NAME_TO_DTYPE[dtype]
 
 
 def open_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

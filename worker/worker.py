@@ -6,6 +6,7 @@ import torch
 
 from kernels.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput
+from worker.cpu_features import default_cpu_dtype
 from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from worker.model_runner import ModelRunner
 from worker.parallel_state import init_distributed
@@ -238,9 +239,10 @@ def resolve_device(device: str, rank: int = 0) -> torch.device:
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """None -> float32 on CPU, bfloat16 on CUDA; otherwise one of DTYPE_NAMES."""
+    """None -> bfloat16 on CUDA and on CPUs with native bf16 (see `cpu_features`), float32 on
+    other CPUs; otherwise one of DTYPE_NAMES."""
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else default_cpu_dtype()
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_NAMES)} or None, got {dtype!r}")
     return DTYPE_NAMES[dtype]
