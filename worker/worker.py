@@ -7,6 +7,7 @@ import torch
 from kernels.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput
 from worker.cpu_features import default_cpu_dtype
+from worker.cpu_linear import pack_linears
 from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from worker.model_runner import ModelRunner
 from worker.parallel_state import init_distributed
@@ -76,7 +77,8 @@ class Worker:
         self._max_model_len: int | None = None
 
     def load_model(self) -> None:
-        """Resolves the model path, loads this rank's weights, fixes max_model_len."""
+        """Resolves the model path, loads this rank's weights (on a CPU, linears pre-packed for
+        oneDNN), fixes max_model_len."""
         from proto.model_files import resolve_model_path
         from worker.model_loader import load_model
 
@@ -88,6 +90,8 @@ class Worker:
         self.model, self.model_config = load_model(
             path, self.device, self.dtype, tp_rank=self.rank, tp_size=self.world_size
         )
+        if self.device.type == "cpu":
+            pack_linears(self.model)
         self._max_model_len = self._resolve_max_model_len()
         self.model_runner = self._new_model_runner()
         if self.device.type == "cuda":

@@ -28,6 +28,7 @@ from worker.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
     apply_rotary,
+    residual_dtype,
 )
 from worker.model_config import ModelConfig
 
@@ -102,7 +103,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with each residual add fused
+    into the norm that follows it (the next layer's input norm adds this layer's MLP output)."""
 
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
@@ -114,13 +116,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden_states), cos_sin, kv_cache, metadata)
-        hidden_states = hidden_states + attn
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous layer's output, residual stream before it) -> the same pair for this
+        layer; residual None on the first layer, whose hidden_states are the embeddings."""
+        if residual is None:
+            residual = hidden_states.to(residual_dtype(hidden_states.device, hidden_states.dtype))
+            hidden_states = self.input_layernorm(residual)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos_sin, kv_cache, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -144,11 +154,12 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary_emb(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(hidden_states, cos_sin, kv_cache, metadata)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, residual, cos_sin, kv_cache, metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,100 @@
+"""oneDNN linears with weights pre-packed once at load, for the CPU worker.
+
+`torch.nn.functional.linear` hands MKL the row-major weight at every call, and MKL re-blocks
+it for its micro-kernel each time; at decode batch sizes that copy is a large part of the
+matmul. oneDNN can block the weight once (`_reorder_linear_weight`) and run every later
+matmul on the blocked copy (`_linear_pointwise`, the pair torch's inductor uses for frozen CPU
+linears). The blocked copy replaces the dense weight: it is the only copy kept.
+
+Packing applies to float32 wherever torch has oneDNN, and to bfloat16/float16 only where
+oneDNN says the CPU runs them (AVX-512 or AMX); elsewhere layers keep `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN runs a linear with this weight's dtype on this CPU."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if weight.dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-blocked copy of a [out_features, in_features] weight (no batch-size hint:
+    measured as fast as a hinted one for every batch size from 1 to 1,024)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def packed_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., in] @ W^T + bias with W blocked by `pack_weight`; same result as F.linear to
+    float rounding (a different summation order)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [None], "")
+
+
+class PackableLinear(nn.Module):
+    """A linear layer whose `weight` [out, in] may be swapped for a oneDNN-blocked copy.
+
+    After `pack()` the dense `weight` is None unless another module shares it (a tied
+    embedding); forward must go through `matmul`.
+    """
+
+    packed_weight: torch.Tensor | None = None
+    # The dtype the packed copy (and so the matmul) uses; None: the weight's own.
+    packed_dtype: torch.dtype | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            if self.packed_dtype is not None:
+                x = x.to(self.packed_dtype)
+            return packed_linear(x, self.packed_weight, bias)
+        return torch.nn.functional.linear(x, self.weight, bias)
+
+    def pack(self, keep_dense_weight: bool) -> bool:
+        """Blocks the weight for oneDNN if this CPU supports its dtype; returns whether it did.
+        `keep_dense_weight`: another module reads the same tensor (tied embeddings)."""
+        weight = self.weight if self.packed_dtype is None else self.weight.to(self.packed_dtype)
+        if self.packed_weight is not None or not can_pack(weight):
+            return False
+        self.packed_weight = pack_weight(weight)
+        if not keep_dense_weight:
+            self.weight = None
+        return True
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Packs every `PackableLinear` of a loaded CPU model; returns how many were packed.
+
+    Loading must be finished: a packed layer has no dense weight left to load into. A model
+    that is not an nn.Module (a test double) has nothing to pack.
+    """
+    if not isinstance(model, nn.Module):
+        return 0
+    shared = _shared_weight_ids(model)
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, PackableLinear) and module.weight is not None:
+            packed += module.pack(keep_dense_weight=id(module.weight) in shared)
+    return packed
+
+
+def _shared_weight_ids(model: nn.Module) -> set[int]:
+    """ids of parameters registered under more than one module (tied weights)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            seen[id(param)] = seen.get(id(param), 0) + 1
+    return {param_id for param_id, count in seen.items() if count > 1}
