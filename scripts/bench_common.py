@@ -1,5 +1,5 @@
 """What every benchmark script shares: result files, machine facts, seeded workloads, statistics,
-and a `core-serve` process to measure over HTTP.
+and server processes (`core-serve`, a peer's server) to measure over HTTP.
 
 Contract for results: each benchmark writes `<name>.json` (everything measured, the machine, the
 conditions) and `<name>.md` (a markdown table plus the ratios against its in-run baseline) under
@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -148,6 +149,57 @@ def _git_commit() -> str:
     return "unknown"
 
 
+def usable_cpu_ids() -> list[int]:
+    """The CPUs this process may run on, in order (all of them where affinity is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def default_num_threads() -> int:
+    """The engine's default on a CPU: one thread per usable core."""
+    return len(usable_cpu_ids())
+
+
+def cpu_list_text(cpu_ids: Sequence[int]) -> str:
+    """CPU ids as a Linux CPU list, ranges joined: [0, 1, 2, 5] -> "0-2,5"."""
+    if not cpu_ids:
+        raise ValueError("an empty CPU list has no text form")
+    ranges: list[list[int]] = []
+    for cpu_id in sorted(set(cpu_ids)):
+        if ranges and cpu_id == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu_id
+        else:
+            ranges.append([cpu_id, cpu_id])
+    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in ranges)
+
+
+def engine_default_dtype(device: str) -> str:
+    """The dtype the engine picks when given none: bfloat16 on CUDA and on CPUs with native bf16
+    instructions, float32 on other CPUs."""
+    import torch
+
+    from worker.cpu_features import default_cpu_dtype
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return "bfloat16"
+    return str(default_cpu_dtype()).removeprefix("torch.")
+
+
+def default_hf_folder(model: str | None) -> Path:
+    """The transformers-loadable folder holding the same weights as the engine's `model`."""
+    if model is not None and (Path(model) / "config.json").is_file():
+        return Path(model)
+    if model is not None:
+        raise ValueError(
+            f"model {model!r} is not a Hugging Face folder; pass --hf-model with the same "
+            "weights as a transformers-loadable folder"
+        )
+    from tests.model_fixtures import converted_default_model_folder
+
+    return converted_default_model_folder()
+
+
 # ---- statistics --------------------------------------------------------------------------------
 
 
@@ -212,7 +264,7 @@ def exact_length_prompt(rng: random.Random, encode, num_tokens: int) -> list[int
     return token_ids[:num_tokens]
 
 
-# ---- a core-serve process ----------------------------------------------------------------------
+# ---- server processes --------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -228,50 +280,101 @@ def core_serve(engine_flags: Sequence[str], log_path: Path | None = None) -> Ite
     Waits (bounded by SERVER_STARTUP_TIMEOUT_S) until /health answers 200; raises RuntimeError
     with the tail of the server's log if it exits or never gets healthy. Always stops it.
     """
-    import httpx
-
     port = free_port()
     argv = [
         sys.executable, "-m", "frontend.cli",
         "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
         *engine_flags,
     ]  # fmt: skip
+    with http_server(argv, port, f"core-serve {' '.join(engine_flags)}", log_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def http_server(
+    argv: Sequence[str],
+    port: int,
+    name: str,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO_ROOT,
+    own_session: bool = False,
+) -> Iterator[str]:
+    """Runs the server `argv` (listening on 127.0.0.1:`port`) until the block exits; yields its
+    base URL once /health answers 200.
+
+    Raises RuntimeError, with the tail of its log, if it exits or is not healthy within
+    SERVER_STARTUP_TIMEOUT_S. Always stops it; with `own_session` the server gets its own
+    process group, and whatever of that group outlives the server is killed too.
+    """
+    import httpx
+
     log_file = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        start_new_session=own_session,
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
         while True:
             if process.poll() is not None:
                 raise RuntimeError(
-                    f"core-serve {' '.join(engine_flags)} exited with code {process.returncode}"
-                    + _log_tail(log_path)
+                    f"{name} exited with code {process.returncode}" + log_tail(log_path)
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"core-serve was not healthy within {SERVER_STARTUP_TIMEOUT_S:.0f} s"
-                    + _log_tail(log_path)
+                    f"{name} was not healthy within {SERVER_STARTUP_TIMEOUT_S:.0f} s"
+                    + log_tail(log_path)
                 )
             time.sleep(SERVER_POLL_INTERVAL_S)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, own_session)
         if log_path:
             log_file.close()
 
 
-def _log_tail(log_path: Path | None, num_chars: int = 3000) -> str:
+def stop_process(process: subprocess.Popen, own_session: bool, timeout_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`. With `own_session` (the process leads its own
+    group), the group's leftovers get `timeout_s` more to exit before they are killed."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if not own_session:
+        return
+    deadline = time.monotonic() + timeout_s
+    while group_pids(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in group_pids(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def group_pids(group_id: int) -> list[int]:
+    """The live (not zombie) processes of a process group, from /proc."""
+    pids = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # after "pid (comm) ": state, ppid, pgrp; comm may hold spaces, so split after ")"
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group_id and fields[0] not in ("Z", "X"):
+                pids.append(int(stat_path.parent.name))
+    return pids
+
+
+def log_tail(log_path: Path | None, num_chars: int = 3000) -> str:
+    """The last `num_chars` of the log after "; log tail:", to end an error message with."""
     if log_path is None or not log_path.is_file():
         return ""
-    return "; server log tail:\n" + log_path.read_text(errors="replace")[-num_chars:]
+    return "; log tail:\n" + log_path.read_text(errors="replace")[-num_chars:]
 
 
 def read_metrics(url: str) -> dict[str, float]:

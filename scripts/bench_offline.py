@@ -1,10 +1,18 @@
-"""Offline throughput: `LLM.generate` against Hugging Face transformers' batched `generate`.
+"""Offline throughput: `LLM.generate` against peers measured in the same run, on the same work.
 
-Same model weights (the default SmolLM2 GGUF, and for transformers the same GGUF converted to an
-HF folder by transformers itself), same dtype, same device, same seeded token-id prompts, greedy,
-ignore_eos. transformers runs what a transformers user runs: batches of `--hf-batch-size`
-prompts, left padded, generated to the longest `max_tokens` of the batch, then each output cut
-to its own `max_tokens`. Only useful output tokens (the sum of `max_tokens`) are counted.
+Same model weights, same dtype (the engine's default unless --dtype), same threads (one per
+usable core unless --threads), same device, same seeded token-id prompts with the same
+max_tokens, greedy, ignore_eos. Only useful output tokens (the sum of `max_tokens`) are counted.
+Each repeat runs the engine, then every peer, one at a time, so a machine whose speed drifts
+compares runs seconds apart. Peers (`--peer`, one or more):
+- transformers (default): batched `generate` in this process on the GGUF converted to an HF
+  folder by transformers itself, as a transformers user runs it: batches of `--hf-batch-size`
+  prompts, left padded, generated to the longest `max_tokens` of the batch, then each output cut
+  to its own `max_tokens`;
+- vllm: vLLM's `LLM.generate` in its own process under its own Python (`--peer-python`), on the
+  same HF folder (see `scripts/vllm_peer.py`); never imported here;
+- llama-server: llama.cpp's server on the GGUF file itself, all prompts sent at once over HTTP
+  (see `scripts/llama_server_peer.py`); `--llama-server PATH` if it is not on PATH.
 
 Workloads:
 - mixed: 48 prompts of 10-200 words, each with its own max_tokens in [16, 160] (goal: the
@@ -12,20 +20,24 @@ Workloads:
 - decode-heavy: short prompts (5-15 words), 256 tokens each;
 - prefill-heavy: 1,000-token prompts, 16 tokens each.
 
-Also reported: for how many requests both produced the same first tokens (same work done).
+Reported per workload and peer: both sides' output tokens/s, their ratio (engine / peer), and
+for how many requests both produced the same first tokens (same work done).
 
-    python -m scripts.bench_offline [--quick] [--device cuda] [--workloads mixed decode]
+    python -m scripts.bench_offline [--quick] [--peer transformers vllm] [--workloads mixed]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -33,6 +45,9 @@ from frontend import LLM, SamplingParams
 from scripts.bench_common import (
     RESULTS_DIR,
     GenerationWorkload,
+    default_hf_folder,
+    default_num_threads,
+    engine_default_dtype,
     exact_length_prompt,
     machine_info,
     markdown_table,
@@ -44,6 +59,8 @@ from scripts.bench_common import (
 TARGET_SPEEDUP = 2.0
 NUM_COMPARED_TOKENS = 8
 WORKLOAD_NAMES = ("mixed", "decode", "prefill")
+PEER_NAMES = ("transformers", "vllm", "llama-server")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 GPU_NUM_PROMPTS = 256
 
 
@@ -128,15 +145,48 @@ def run_engine(llm: LLM, workload: GenerationWorkload) -> tuple[float, list[list
     return elapsed_s, token_ids
 
 
-# ---- the baseline: transformers --------------------------------------------------------------
+# ---- the peers -------------------------------------------------------------------------------
+
+
+class OfflinePeer(Protocol):
+    """What `compare` needs of a peer: `name` as on the command line, `column` as in table
+    headers, `version`, and `label` (what it runs, for headings). `run` returns (seconds, output
+    token ids per prompt in prompt order, each exactly its `max_tokens` long), timed around the
+    generation alone; `describe` gives the result JSON's record of it ("label", "column",
+    "version", and an optional "note" printed under its table)."""
+
+    name: str
+    column: str
+    version: str
+
+    @property
+    def label(self) -> str: ...
+
+    def warm_up(self, workload: GenerationWorkload) -> None: ...
+
+    def run(self, workload: GenerationWorkload) -> tuple[float, list[list[int]]]: ...
+
+    def describe(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class TransformersBaseline:
-    """A transformers model with its tokenizer, generating greedy batches without eos stops."""
+    """A transformers model with its tokenizer, generating greedy batches of `batch_size`
+    prompts (None: all prompts of a workload) without eos stops."""
 
-    def __init__(self, folder: Path, device: str, dtype: torch.dtype) -> None:
+    name = "transformers"
+    column = "transformers"
+
+    def __init__(
+        self, folder: Path, device: str, dtype: torch.dtype, batch_size: int | None = None
+    ) -> None:
+        import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self.version = transformers.__version__
+        self.folder = folder
+        self.batch_size = batch_size
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
@@ -146,11 +196,19 @@ class TransformersBaseline:
         self.model.generation_config.eos_token_id = None
         self.pad_token_id = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    @property
+    def label(self) -> str:
+        return "transformers `generate`"
 
-    def run(self, workload: GenerationWorkload, batch_size: int) -> tuple[float, list[list[int]]]:
+    def batch_size_for(self, workload: GenerationWorkload) -> int:
+        return self.batch_size or workload.num_prompts
+
+    def warm_up(self, workload: GenerationWorkload) -> None:
+        self.run(workload)
+
+    def run(self, workload: GenerationWorkload) -> tuple[float, list[list[int]]]:
         """(seconds, output token ids per prompt): batches in order, each to its longest."""
+        batch_size = self.batch_size_for(workload)
         start = time.perf_counter()
         token_ids: list[list[int]] = []
         for first in range(0, workload.num_prompts, batch_size):
@@ -185,19 +243,70 @@ class TransformersBaseline:
         self.tokenizer.batch_decode(cut)  # a user wants text; the engine detokenizes too
         return cut
 
+    def describe(self) -> dict:
+        return {
+            "label": self.label,
+            "column": self.column,
+            "version": self.version,
+            "model_folder": str(self.folder),
+            "batch_size": self.batch_size or "all prompts of a workload",
+        }
 
-def default_hf_folder(model: str | None) -> Path:
-    """The transformers-loadable folder holding the same weights as the engine's `model`."""
-    if model is not None and (Path(model) / "config.json").is_file():
-        return Path(model)
-    if model is not None:
-        raise ValueError(
-            f"model {model!r} is not a Hugging Face folder; pass --hf-model with the same "
-            "weights as a transformers-loadable folder"
-        )
-    from tests.model_fixtures import converted_default_model_folder
+    def close(self) -> None:
+        """Nothing: the model lives in this process."""
 
-    return converted_default_model_folder()
+
+def load_encoder(folder: Path):
+    """`encode(text) -> token ids` with the tokenizer of the HF folder (no special tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def start_peers(
+    args: argparse.Namespace,
+    stack: contextlib.ExitStack,
+    hf_folder: Path,
+    dtype_name: str,
+    num_threads: int,
+    workloads: list[GenerationWorkload],
+    warm_up_workload: GenerationWorkload,
+    work_dir: Path,
+) -> list[OfflinePeer]:
+    """The peers of `args.peers`, loaded, in order; each closes when `stack` does."""
+    peers: list[OfflinePeer] = []
+    for name in args.peers:
+        if name == "transformers":
+            dtype = getattr(torch, dtype_name)
+            peer = TransformersBaseline(hf_folder, args.device, dtype, args.hf_batch_size)
+        elif name == "vllm":
+            from scripts.vllm_peer import VllmOfflinePeer
+
+            peer = VllmOfflinePeer(
+                args.peer_python, hf_folder, dtype_name, num_threads, workloads,
+                warm_up_workload, work_dir, seed=args.seed,
+            )  # fmt: skip
+        else:
+            from scripts.llama_server_peer import LlamaServerPeer
+
+            num_slots = max(workload.num_prompts for workload in workloads)
+            peer = LlamaServerPeer(
+                args.llama_server, gguf_path(args.model), num_threads, num_slots, work_dir
+            )
+        stack.callback(peer.close)
+        peers.append(peer)
+    return peers
+
+
+def gguf_path(model: str | None) -> Path:
+    """The GGUF file of the engine's model (llama-server runs nothing else)."""
+    from proto.model_files import GGUF_SUFFIX, resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.suffix != GGUF_SUFFIX:
+        raise ValueError(f"--peer llama-server needs a {GGUF_SUFFIX} model; --model {model} is not")
+    return path
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -219,59 +328,88 @@ def token_passes(workload: GenerationWorkload, hf_batch_size: int) -> tuple[int,
 
 def compare(
     llm: LLM,
-    baseline: TransformersBaseline,
+    peers: list[OfflinePeer],
     workload: GenerationWorkload,
-    hf_batch_size: int,
     device: str,
     repeats: int = 1,
-) -> dict:
-    """Runs the engine then transformers, `repeats` times; reports the pair whose ratio is the
-    median, so a machine whose speed drifts between runs compares runs minutes apart."""
-    pairs = []
+) -> list[dict]:
+    """Runs the engine then each peer in turn, `repeats` times; one row per peer, holding the
+    (engine, peer) pair of one repeat whose ratio is the median."""
+    engine_times: list[float] = []
+    peer_times: dict[str, list[float]] = {peer.name: [] for peer in peers}
+    peer_tokens: dict[str, list[list[int]]] = {}
     for _ in range(repeats):
         # A repeat must not find the previous one's prompts in the prefix cache.
         if not llm.reset_prefix_cache():
             raise RuntimeError("the engine refused to reset its prefix cache between repeats")
         engine_s, engine_tokens = run_engine(llm, workload)
         _synchronize(device)
-        hf_s, hf_tokens = baseline.run(workload, hf_batch_size)
-        _synchronize(device)
-        pairs.append((engine_s, hf_s))
-    engine_s, hf_s = median_pair(pairs)
-    num_agreeing = sum(
-        e[:NUM_COMPARED_TOKENS] == h[:NUM_COMPARED_TOKENS]
-        for e, h in zip(engine_tokens, hf_tokens, strict=True)
-    )
+        engine_times.append(engine_s)
+        for peer in peers:
+            peer_s, peer_tokens[peer.name] = peer.run(workload)
+            _synchronize(device)
+            peer_times[peer.name].append(peer_s)
+    rows = []
+    for peer in peers:
+        pairs = list(zip(engine_times, peer_times[peer.name], strict=True))
+        row = comparison_row(workload, peer.name, pairs, engine_tokens, peer_tokens[peer.name])
+        if isinstance(peer, TransformersBaseline):
+            engine_passes, peer_passes = token_passes(workload, peer.batch_size_for(workload))
+            row["engine_token_passes"] = engine_passes
+            row["peer_token_passes"] = peer_passes
+            row["work_ratio"] = peer_passes / engine_passes
+        print(
+            f"{workload.name}: engine {row['engine_output_tokens_per_s']:.1f} tok/s, "
+            f"{peer.column} {row['peer_output_tokens_per_s']:.1f} tok/s, ratio "
+            f"{row['ratio']:.2f}x ({row['num_requests_first_tokens_agree']}/"
+            f"{workload.num_prompts} agree on the first {NUM_COMPARED_TOKENS} tokens; "
+            f"pairs: {', '.join(f'{x:.2f}x' for x in row['pair_ratios'])})"
+        )
+        rows.append(row)
+    return rows
+
+
+def comparison_row(
+    workload: GenerationWorkload,
+    peer_name: str,
+    pairs: list[tuple[float, float]],
+    engine_tokens: list[list[int]],
+    peer_tokens: list[list[int]],
+) -> dict:
+    """One workload against one peer: the median pair's throughputs and their ratio (engine /
+    peer tokens/s), every pair's ratio, and how many requests agree on the first tokens."""
+    engine_s, peer_s = median_pair(pairs)
     num_tokens = workload.num_output_tokens
-    engine_passes, hf_passes = token_passes(workload, hf_batch_size)
-    row = {
+    return {
         "workload": workload.name,
         "description": workload.description,
         "num_prompts": workload.num_prompts,
         "num_prompt_tokens": workload.num_prompt_tokens,
         "num_output_tokens": num_tokens,
+        "peer": peer_name,
         "engine_s": engine_s,
-        "transformers_s": hf_s,
+        "peer_s": peer_s,
         "engine_output_tokens_per_s": num_tokens / engine_s,
-        "transformers_output_tokens_per_s": num_tokens / hf_s,
-        "speedup": hf_s / engine_s,
-        "pair_speedups": [hf / engine for engine, hf in pairs],
-        "engine_token_passes": engine_passes,
-        "transformers_token_passes": hf_passes,
-        "work_ratio": hf_passes / engine_passes,
-        "num_requests_first_tokens_agree": num_agreeing,
+        "peer_output_tokens_per_s": num_tokens / peer_s,
+        "ratio": peer_s / engine_s,
+        "pair_ratios": [peer / engine for engine, peer in pairs],
+        "num_requests_first_tokens_agree": count_agreeing(engine_tokens, peer_tokens),
     }
-    print(
-        f"{workload.name}: engine {row['engine_output_tokens_per_s']:.1f} tok/s, transformers "
-        f"{row['transformers_output_tokens_per_s']:.1f} tok/s, ratio {row['speedup']:.2f}x "
-        f"({num_agreeing}/{workload.num_prompts} agree on the first {NUM_COMPARED_TOKENS} tokens; "
-        f"pairs: {', '.join(f'{x:.2f}x' for x in row['pair_speedups'])})"
+
+
+def count_agreeing(
+    engine_tokens: list[list[int]],
+    peer_tokens: list[list[int]],
+    num_tokens: int = NUM_COMPARED_TOKENS,
+) -> int:
+    """Requests whose first `num_tokens` output tokens are the same on both sides."""
+    return sum(
+        e[:num_tokens] == p[:num_tokens] for e, p in zip(engine_tokens, peer_tokens, strict=True)
     )
-    return row
 
 
 def median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    """The (engine_s, transformers_s) pair with the median ratio (the lower one of two middles)."""
+    """The (engine_s, peer_s) pair with the median ratio (the lower one of two middles)."""
     ordered = sorted(pairs, key=lambda pair: pair[1] / pair[0])
     return ordered[(len(ordered) - 1) // 2]
 
@@ -281,35 +419,35 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def warm_up(llm: LLM, baseline: TransformersBaseline) -> None:
-    """First calls allocate and compile; neither side is timed on them."""
-    prompts = [baseline.encode("Hello there, how are you today?")] * 2
-    workload = GenerationWorkload("warm-up", "", prompts, [4, 4])
-    run_engine(llm, workload)
-    baseline.run(workload, 2)
+def set_num_threads(num_threads: int | None) -> int:
+    """Gives this process (transformers) and the engine's workers (through OMP_NUM_THREADS,
+    which they inherit) `num_threads` torch threads, by default one per usable core as the
+    engine itself picks; returns the number."""
+    num_threads = num_threads or default_num_threads()
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)
+    return num_threads
 
 
-def set_num_threads(num_threads: int) -> int:
-    """Gives this process and the engine's workers (through OMP_NUM_THREADS, which they
-    inherit) the same number of torch threads; returns it.
-
-    The default is 1 because on a CPU shared with other jobs, OpenMP with more threads than
-    idle cores spins at its barriers: a 2-thread matmul measured 40x slower than 1 thread on the
-    2-core machine these results come from.
-    """
-    if num_threads > 0:
-        os.environ["OMP_NUM_THREADS"] = str(num_threads)
-        torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
-
-
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small run, about a minute")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
+                        help="both sides' dtype (default: the engine's default for the device)")  # fmt: skip
     parser.add_argument("--model", default=None, help="engine model (default: SmolLM2 GGUF)")
-    parser.add_argument("--hf-model", type=Path, default=None, help="same weights for HF")
+    parser.add_argument("--hf-model", type=Path, default=None,
+                        help="the same weights as an HF folder, for transformers and vLLM")  # fmt: skip
+    parser.add_argument("--peer", "--peers", dest="peers", nargs="+", default=["transformers"],
+                        choices=PEER_NAMES, help="what to compare with (default: transformers)")  # fmt: skip
+    parser.add_argument(
+        "--peer-python",
+        default=None,
+        help="the Python of vLLM's virtual environment (default: $VLLM_PYTHON or "
+        "/work/vllm-venv/bin/python)",
+    )
+    parser.add_argument("--llama-server", default=None,
+                        help="llama-server program (default: the one on PATH)")  # fmt: skip
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOAD_NAMES),
                         choices=WORKLOAD_NAMES)  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=None,
@@ -337,51 +475,92 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch CPU threads, the same for both sides (0: torch's default)",
+        default=None,
+        help="CPU threads, the same for every side (default: one per usable core, the "
+        "engine's default)",
     )
     parser.add_argument(
         "--repeats",
         type=int,
         default=None,
-        help="engine/transformers pairs per workload, the median ratio reported (default: 3, "
+        help="engine/peer pairs per workload, the median ratio reported (default: 3, "
         "1 with --quick)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.peers = list(dict.fromkeys(args.peers))  # in order, each once
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if "vllm" in args.peers:
+        from scripts.vllm_peer import default_peer_python, vllm_version
+
+        args.peer_python = args.peer_python or default_peer_python()
+        try:
+            vllm_version(args.peer_python)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if "llama-server" in args.peers:
+        from scripts.llama_server_peer import find_llama_server
+
+        try:
+            args.llama_server = find_llama_server(args.llama_server)
+        except ValueError as exc:
+            parser.error(str(exc))
     return args
+
+
+def results_file_name(device: str, peers: list[str]) -> str:
+    """The results' base name: `offline` against transformers alone on cpu (the README's table);
+    the device and the peers otherwise, so that no comparison overwrites another."""
+    name = "offline" if device == "cpu" else f"offline_{device}"
+    if peers != ["transformers"]:
+        name += "_" + "_".join(peer.replace("-", "_") for peer in peers)
+    return name
 
 
 def main() -> None:
     args = parse_args()
     num_threads = set_num_threads(args.threads)
-    dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype_name = args.dtype or engine_default_dtype(args.device)
     num_prompts = args.num_prompts or (GPU_NUM_PROMPTS if args.device == "cuda" else None)
     machine = machine_info()
     hf_folder = args.hf_model or default_hf_folder(args.model)
-    baseline = TransformersBaseline(hf_folder, args.device, getattr(torch, dtype_name))
+    encode = load_encoder(hf_folder)
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
-    workloads = build_workloads(shape, baseline.encode, args.seed, args.workloads, num_prompts)
+    workloads = build_workloads(shape, encode, args.seed, args.workloads, num_prompts)
+    # First calls allocate and compile; no side is timed on them.
+    warm_up = GenerationWorkload("warm-up", "", [encode("Hello there, how are you today?")] * 2,
+                                 [4, 4])  # fmt: skip
     engine_args = {"max_num_seqs": args.max_num_seqs}
     if args.device == "cuda":
         engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     rows = []
-    with LLM(args.model, device=args.device, dtype=dtype_name, **engine_args) as llm:
-        warm_up(llm, baseline)
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-offline-") as work_dir,
+        contextlib.ExitStack() as stack,
+    ):
+        peers = start_peers(
+            args, stack, hf_folder, dtype_name, num_threads, workloads, warm_up, Path(work_dir)
+        )
+        llm = stack.enter_context(
+            LLM(args.model, device=args.device, dtype=dtype_name, **engine_args)
+        )
+        run_engine(llm, warm_up)
+        for peer in peers:
+            peer.warm_up(warm_up)
         for workload in workloads:
-            batch_size = args.hf_batch_size or workload.num_prompts
-            rows.append(
-                compare(llm, baseline, workload, batch_size, args.device, repeats=args.repeats)
-            )
+            rows += compare(llm, peers, workload, args.device, repeats=args.repeats)
             gc.collect()
-    mixed = next((row for row in rows if row["workload"] == "mixed"), None)
+        peer_records = {peer.name: peer.describe() for peer in peers}
+    mixed_ratios = {row["peer"]: row["ratio"] for row in rows if row["workload"] == "mixed"}
+    mixed_speedup = mixed_ratios.get("transformers")
     result = {
         "benchmark": "offline",
         "quick": args.quick,
@@ -389,67 +568,83 @@ def main() -> None:
         "device": args.device,
         "dtype": dtype_name,
         "model": args.model or "SmolLM2-135M-Instruct Q4_1 GGUF (default)",
-        "transformers_model_folder": str(hf_folder),
-        "transformers_batch_size": args.hf_batch_size or "all prompts of a workload",
+        "hf_model_folder": str(hf_folder),
         "engine_args": engine_args,
-        "torch_num_threads": num_threads,
+        "num_threads": num_threads,
+        "torch_num_threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "seed": args.seed,
+        "peers": peer_records,
         "rows": rows,
+        "mixed_ratios": mixed_ratios,
         "target_speedup_mixed": TARGET_SPEEDUP,
-        "mixed_speedup": mixed["speedup"] if mixed else None,
-        "meets_target": bool(mixed and mixed["speedup"] >= TARGET_SPEEDUP),
+        "mixed_speedup": mixed_speedup,
+        "meets_target": bool(mixed_speedup and mixed_speedup >= TARGET_SPEEDUP),
     }
-    name = "offline" if args.device == "cpu" else f"offline_{args.device}"
+    name = results_file_name(args.device, args.peers)
     write_results(result, render_markdown(result), args.output_dir, result_name(name, args.quick))
 
 
 def render_markdown(result: dict) -> str:
-    rows = [
-        [
-            f"{row['workload']} ({row['description']})",
-            f"{row['engine_output_tokens_per_s']:.1f}",
-            f"{row['transformers_output_tokens_per_s']:.1f}",
-            f"**{row['speedup']:.2f}x**",
-            f"{row['work_ratio']:.2f}x",
-            f"{row['num_requests_first_tokens_agree']}/{row['num_prompts']}",
-        ]
-        for row in result["rows"]
-    ]
-    table = markdown_table(
-        [
-            "workload",
-            "engine output tok/s",
-            "transformers output tok/s",
-            "engine / transformers",
-            "token positions transformers / engine",
-            f"same first {NUM_COMPARED_TOKENS} tokens",
-        ],
-        rows,
-    )
-    text = (
-        f"### Offline throughput: `LLM.generate` vs transformers `generate` "
-        f"({result['device']}, {result['dtype']})\n\n{table}\n\n"
-        "Token positions: what each side runs through the model (transformers pads every prompt "
-        "to its batch's longest and runs every row to the batch's longest max_tokens); their "
-        "ratio is the speedup the engine gets from doing less work alone, at equal cost per "
-        "position.\n"
-    )
-    repeats = result.get("repeats", 1)
-    if repeats > 1:
-        pairs = "; ".join(
-            f"{row['workload']} " + ", ".join(f"{x:.2f}x" for x in row["pair_speedups"])
-            for row in result["rows"]
-        )
-        text += (
-            f"\nEach workload ran {repeats} engine/transformers pairs; the table shows the pair "
-            f"with the median ratio (all pairs: {pairs}).\n"
-        )
+    """One table per peer (transformers' with the token positions each side runs), the pairs
+    behind each median, and the mixed workload's ratio against the transformers target."""
+    sections = [_peer_section(result, name, record) for name, record in result["peers"].items()]
+    text = "\n".join(sections)
     if result["mixed_speedup"] is not None:
         text += (
             f"\nMixed workload: engine / transformers = **{result['mixed_speedup']:.2f}x** "
             f"(target >= {result['target_speedup_mixed']:.0f}x, "
             f"{'met' if result['meets_target'] else 'missed'}).\n"
+        )
+    return text
+
+
+def _peer_section(result: dict, peer_name: str, record: dict) -> str:
+    column = record["column"]
+    peer_rows = [row for row in result["rows"] if row["peer"] == peer_name]
+    with_passes = all("work_ratio" in row for row in peer_rows)
+    header = ["workload", "engine output tok/s", f"{column} output tok/s", f"engine / {column}"]
+    if with_passes:
+        header.append(f"token positions {column} / engine")
+    header.append(f"same first {NUM_COMPARED_TOKENS} tokens")
+    table_rows = []
+    for row in peer_rows:
+        cells = [
+            f"{row['workload']} ({row['description']})",
+            f"{row['engine_output_tokens_per_s']:.1f}",
+            f"{row['peer_output_tokens_per_s']:.1f}",
+            f"**{row['ratio']:.2f}x**",
+        ]
+        if with_passes:
+            cells.append(f"{row['work_ratio']:.2f}x")
+        cells.append(f"{row['num_requests_first_tokens_agree']}/{row['num_prompts']}")
+        table_rows.append(cells)
+    threads = result.get("num_threads")
+    conditions = f"{result['device']}, {result['dtype']}" + (
+        f", {threads} threads" if threads else ""
+    )
+    text = (
+        f"### Offline throughput: `LLM.generate` vs {record['label']} ({conditions})\n\n"
+        f"{markdown_table(header, table_rows)}\n"
+    )
+    if with_passes:
+        text += (
+            f"\nToken positions: what each side runs through the model ({column} pads every "
+            "prompt to its batch's longest and runs every row to the batch's longest "
+            "max_tokens); their ratio is the speedup the engine gets from doing less work "
+            "alone, at equal cost per position.\n"
+        )
+    if record.get("note"):
+        text += f"\n{record['note']}\n"
+    repeats = result.get("repeats", 1)
+    if repeats > 1:
+        pairs = "; ".join(
+            f"{row['workload']} " + ", ".join(f"{x:.2f}x" for x in row["pair_ratios"])
+            for row in peer_rows
+        )
+        text += (
+            f"\nEach workload ran {repeats} engine/{column} pairs; the table shows the pair "
+            f"with the median ratio (all pairs: {pairs}).\n"
         )
     return text
 

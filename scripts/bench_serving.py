@@ -9,9 +9,13 @@ achieved share of the offered rate, and each latency against the same latency at
 load. A PNG plot of throughput and latency against load is written next to the results.
 
 By default the script starts its own `core-serve` (flags after --server-args); --url measures a
-server that is already running.
+server that is already running. With `--peer vllm` the same requests then go, at the same rates,
+to `vllm serve` on the same weights (an HF folder, `--hf-model`), started from vLLM's own Python
+(`--peer-python`, see `scripts/vllm_peer.py`) once `core-serve` has stopped, so only one server
+is ever loaded; both get the same dtype and threads, and the report adds engine / vLLM ratios.
 
     python -m scripts.bench_serving [--quick] [--rates 0.25 0.5 1 inf] [--url http://host:8000]
+    python -m scripts.bench_serving --peer vllm [--peer-python /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from scripts.bench_common import (
     RESULTS_DIR,
     StreamedCompletion,
     core_serve,
+    default_hf_folder,
+    default_num_threads,
+    engine_default_dtype,
     machine_info,
     make_text,
     markdown_table,
@@ -148,13 +155,13 @@ def add_baseline_ratios(rows: list[dict]) -> None:
         row["itl_p50_vs_lightest"] = row["itl_ms"]["p50"] / lightest["itl_ms"]["p50"]
 
 
-async def run_all(url: str, args: argparse.Namespace, rates: list[float], lengths) -> list[dict]:
-    await warm_up(url, args.served_model_name)
+async def run_all(
+    url: str, model: str | None, rates: list[float], num_requests: int, lengths, seed: int
+) -> list[dict]:
+    await warm_up(url, model)
     rows = []
     for rate in rates:
-        row = await run_rate(
-            url, args.served_model_name, rate, args.num_requests, lengths, args.seed
-        )
+        row = await run_rate(url, model, rate, num_requests, lengths, seed)
         rows.append(row)
         print(
             f"rate {row['offered_rate']}: {row['request_throughput']:.2f} req/s, "
@@ -166,7 +173,37 @@ async def run_all(url: str, args: argparse.Namespace, rates: list[float], length
     return rows
 
 
-def parse_args() -> argparse.Namespace:
+def peer_ratios(rows: list[dict], peer_rows: list[dict]) -> list[dict]:
+    """Engine / peer at each rate: throughputs (above 1: the engine serves more) and p50
+    latencies (below 1: the engine answers sooner)."""
+    ratios = []
+    for ours, theirs in zip(rows, peer_rows, strict=True):
+        if ours["offered_rate"] != theirs["offered_rate"]:
+            raise ValueError(
+                f"rates differ: {ours['offered_rate']} (engine) vs {theirs['offered_rate']} (peer)"
+            )
+        ratios.append(
+            {
+                "offered_rate": ours["offered_rate"],
+                "request_throughput": _ratio(
+                    ours["request_throughput"], theirs["request_throughput"]
+                ),
+                "output_tokens_per_s": _ratio(
+                    ours["output_tokens_per_s"], theirs["output_tokens_per_s"]
+                ),
+                "ttft_p50": _ratio(ours["ttft_ms"]["p50"], theirs["ttft_ms"]["p50"]),
+                "itl_p50": _ratio(ours["itl_ms"]["p50"], theirs["itl_ms"]["p50"]),
+                "latency_p50": _ratio(ours["latency_ms"]["p50"], theirs["latency_ms"]["p50"]),
+            }
+        )
+    return ratios
+
+
+def _ratio(ours: float, theirs: float) -> float:
+    return ours / theirs if theirs else math.nan
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small run, about a minute")
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -176,18 +213,57 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rates", type=float, nargs="+", default=None,
                         help="offered requests/s, 'inf' for all at once")  # fmt: skip
     parser.add_argument("--num-requests", type=int, default=None, help="per rate")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="both servers' dtype (default: the engine's default)")  # fmt: skip
     parser.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="OMP_NUM_THREADS for the server started here (0: leave unset)",
+        default=None,
+        help="CPU threads of each server started here (default: one per usable core, the "
+        "engine's default)",
     )
+    parser.add_argument("--peer", default=None, choices=("vllm",),
+                        help="also measure this server, after core-serve")  # fmt: skip
+    parser.add_argument(
+        "--peer-python",
+        default=None,
+        help="the Python of vLLM's virtual environment (default: $VLLM_PYTHON or "
+        "/work/vllm-venv/bin/python)",
+    )
+    parser.add_argument("--hf-model", type=Path, default=None,
+                        help="the engine's weights as an HF folder, for the peer "
+                        "(default: the default model's, converted)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.num_requests is None:
         args.num_requests = 8 if args.quick else 32
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.peer is not None and args.url is not None:
+        parser.error("--peer starts both servers itself, one at a time; it cannot use --url")
+    if "--dtype" in shlex.split(args.server_args):
+        parser.error("pass the dtype with --dtype (it goes to every server), not --server-args")
+    if args.peer == "vllm":
+        from scripts.vllm_peer import default_peer_python, vllm_version
+
+        args.peer_python = args.peer_python or default_peer_python()
+        try:
+            args.peer_version = vllm_version(args.peer_python)
+        except ValueError as exc:
+            parser.error(str(exc))
     return args
+
+
+def server_device(server_args: str) -> str:
+    """The --device in core-serve flags ("auto", the engine's default, when there is none)."""
+    flags = shlex.split(server_args)
+    for index, flag in enumerate(flags):
+        if flag == "--device" and index + 1 < len(flags):
+            return flags[index + 1]
+        if flag.startswith("--device="):
+            return flag.split("=", 1)[1]
+    return "auto"
 
 
 def main() -> None:
@@ -195,22 +271,55 @@ def main() -> None:
     rates = args.rates or ([2.0, math.inf] if args.quick else [0.25, 0.5, 1.0, 2.0, math.inf])
     lengths = QUICK_LENGTHS if args.quick else FULL_LENGTHS
     machine = machine_info()
-    if args.threads > 0:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the server's workers
-    if args.url is not None:
-        rows = asyncio.run(run_all(args.url, args, rates, lengths))
-    else:
-        with tempfile.TemporaryDirectory(prefix="bench-serving-") as folder:
-            log_path = Path(folder) / "server.log"
-            with core_serve(shlex.split(args.server_args), log_path) as url:
-                rows = asyncio.run(run_all(url, args, rates, lengths))
-    name = result_name("serving", args.quick)
+    num_threads = args.threads or default_num_threads()
+    dtype = args.dtype
+    if args.url is None:
+        dtype = dtype or engine_default_dtype(server_device(args.server_args))
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)  # inherited by the server's workers
+    peer = None
+    if args.peer == "vllm":  # fail now, not after the engine's run, if vLLM cannot run
+        from scripts.vllm_peer import vllm_cpu_ids, vllm_env_settings
+
+        hf_folder = args.hf_model or default_hf_folder(None)
+        peer = {
+            "name": "vllm",
+            "version": args.peer_version,
+            "python": args.peer_python,
+            "server": f"vLLM's OpenAI server (what `vllm serve` runs) on {hf_folder}, {dtype}",
+            "served_model_name": args.served_model_name or hf_folder.name,
+            "env": vllm_env_settings(vllm_cpu_ids(num_threads)),
+        }
+
+    def run(url: str, model: str | None) -> list[dict]:
+        return asyncio.run(run_all(url, model, rates, args.num_requests, lengths, args.seed))
+
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as folder:
+        if args.url is not None:
+            rows = run(args.url, args.served_model_name)
+        else:
+            engine_flags = [*shlex.split(args.server_args), "--dtype", dtype]
+            with core_serve(engine_flags, Path(folder) / "server.log") as url:
+                rows = run(url, args.served_model_name)
+        if peer is not None:
+            from scripts.vllm_peer import vllm_serve
+
+            print(f"starting vllm serve ({args.peer_python}); it takes a minute or two")
+            model = peer["served_model_name"]
+            log_path = Path(folder) / "vllm-serve.log"
+            with vllm_serve(
+                args.peer_python, hf_folder, dtype, num_threads, model, log_path
+            ) as url:
+                peer["rows"] = run(url, model)
+            peer["total_errors"] = sum(row["num_errors"] for row in peer["rows"])
+    name = result_name("serving" if peer is None else "serving_vllm", args.quick)
     result = {
         "benchmark": "serving",
         "quick": args.quick,
         "machine": machine,
         "server": args.url or f"core-serve {args.server_args}",
-        "omp_num_threads": args.threads or None,
+        "dtype": dtype,
+        "num_threads": None if args.url else num_threads,
+        "omp_num_threads": None if args.url else num_threads,
         "num_requests_per_rate": args.num_requests,
         "prompt_words": list(lengths.prompt_words),
         "output_tokens": list(lengths.output_tokens),
@@ -219,16 +328,63 @@ def main() -> None:
         "total_errors": sum(row["num_errors"] for row in rows),
         "plot": f"{name}.png",
     }
+    if peer is not None:
+        result["peer"] = peer
+        result["peer_ratios"] = peer_ratios(rows, peer["rows"])
     write_results(result, render_markdown(result), args.output_dir, name)
     plot_serving(result, args.output_dir / f"{name}.png")
-    print(f"errors: {result['total_errors']} (must be 0)")
+    errors = result["total_errors"] + (peer["total_errors"] if peer else 0)
+    print(f"errors: {errors} (must be 0)")
 
 
 def render_markdown(result: dict) -> str:
-    rows = []
-    for row in result["rows"]:
+    """The engine's table; with a peer, the peer's table and the engine / peer ratios."""
+    conditions = ""
+    if result.get("dtype") and result.get("num_threads"):
+        conditions = f" ({result['dtype']}, {result['num_threads']} threads)"
+    text = (
+        f"### Serving: {result['server']}{conditions}, {result['num_requests_per_rate']} "
+        f"streamed requests per rate, prompts of {result['prompt_words'][0]}-"
+        f"{result['prompt_words'][1]} words, {result['output_tokens'][0]}-"
+        f"{result['output_tokens'][1]} output tokens\n\n{_rows_table(result['rows'])}\n\n"
+        f"Errors: {result['total_errors']} (must be 0). Plot: `{result['plot']}`."
+    )
+    peer = result.get("peer")
+    if peer is None:
+        return text
+    label = f"vLLM {peer['version']}"
+    text += (
+        f"\n\n### Serving: {label}, the same requests at the same rates, after core-serve "
+        f"stopped\n\n{_rows_table(peer['rows'])}\n\nServer: {peer['server']}. "
+        f"Errors: {peer['total_errors']} (must be 0). Environment: "
+        + ", ".join(f"`{key}={value}`" for key, value in peer["env"].items())
+        + ".\n\n"
+    )
+    ratio_rows = [
+        [
+            ratio["offered_rate"],
+            f"**{ratio['output_tokens_per_s']:.2f}x**",
+            f"{ratio['request_throughput']:.2f}x",
+            f"{ratio['ttft_p50']:.2f}x",
+            f"{ratio['itl_p50']:.2f}x",
+            f"{ratio['latency_p50']:.2f}x",
+        ]
+        for ratio in result["peer_ratios"]
+    ]
+    header = ["offered req/s", "output tok/s", "achieved req/s", "TTFT p50", "ITL p50",
+              "latency p50"]  # fmt: skip
+    text += (
+        f"### Serving: engine / {label}\n\n{markdown_table(header, ratio_rows)}\n\n"
+        "Above 1 the engine serves more; for latencies, below 1 it answers sooner."
+    )
+    return text
+
+
+def _rows_table(rows: list[dict]) -> str:
+    cells = []
+    for row in rows:
         achieved = row["achieved_vs_offered"]
-        rows.append(
+        cells.append(
             [
                 row["offered_rate"],
                 f"{row['request_throughput']:.2f}" + (f" ({achieved:.0%})" if achieved else ""),
@@ -239,24 +395,16 @@ def render_markdown(result: dict) -> str:
                 row["num_errors"],
             ]
         )
-    table = markdown_table(
-        [
-            "offered req/s",
-            "achieved req/s",
-            "output tok/s",
-            "TTFT p50/p90/p99 ms",
-            "ITL p50/p90/p99 ms",
-            "TTFT / ITL p50 vs lightest load",
-            "errors",
-        ],
-        rows,
-    )
-    return (
-        f"### Serving: {result['server']}, {result['num_requests_per_rate']} streamed requests "
-        f"per rate, prompts of {result['prompt_words'][0]}-{result['prompt_words'][1]} words, "
-        f"{result['output_tokens'][0]}-{result['output_tokens'][1]} output tokens\n\n{table}\n\n"
-        f"Errors: {result['total_errors']} (must be 0). Plot: `{result['plot']}`."
-    )
+    header = [
+        "offered req/s",
+        "achieved req/s",
+        "output tok/s",
+        "TTFT p50/p90/p99 ms",
+        "ITL p50/p90/p99 ms",
+        "TTFT / ITL p50 vs lightest load",
+        "errors",
+    ]
+    return markdown_table(header, cells)
 
 
 if __name__ == "__main__":

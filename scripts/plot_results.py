@@ -16,7 +16,10 @@ from pathlib import Path
 from scripts.bench_common import RESULTS_DIR
 
 README_SECTION_PATH = RESULTS_DIR.parent / "README_SECTION.md"
-SECTION_ORDER = ("offline", "offline_cuda", "serving", "prefix_cache", "ipc", "scheduler")
+SECTION_ORDER = (
+    "offline", "offline_vllm", "offline_cuda", "serving", "serving_vllm", "prefix_cache", "ipc",
+    "scheduler",
+)  # fmt: skip
 # Headings for result tables that do not start with their own.
 SECTION_TITLES = {"scheduler": "### Scheduler: cost per running request (simulated model)"}
 SECTION_INTRO = """## Benchmarks
@@ -25,22 +28,32 @@ Every figure is a ratio against a baseline measured in the same run, so that a n
 still gives an honest comparison: transformers' batched `generate` for offline throughput, the
 lightest load for serving latency, prefix caching off for time to first token, a raw ZeroMQ
 ping-pong for IPC. Scripts live in `scripts/bench_*.py` (`python -m scripts.bench_offline`,
-each with `--quick`); results (JSON + markdown) in `benchmarks/results/`.
+each with `--quick`); results (JSON + markdown) in `benchmarks/results/`. vLLM is a peer too,
+started as a separate program from its own virtual environment and never imported:
+`bench_offline --peer vllm` runs the same token-id workloads through its `LLM.generate`,
+alternating with the engine, and `bench_serving --peer vllm` sends the same requests to
+`vllm serve` after `core-serve` has stopped; both report engine / vLLM ratios.
 """
 
 
 def plot_serving(result: dict, path: Path) -> None:
     """Two panels against offered load: throughput (output tok/s, requests/s) and latency
-    (TTFT and ITL, p50 and p99, log scale). An infinite rate is drawn one step past the last."""
+    (TTFT and ITL, p50 and p99, log scale). An infinite rate is drawn one step past the last.
+    A peer measured at the same rates (`result["peer"]`) is drawn dashed: output tok/s and
+    p50 latencies."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
+    peer = result.get("peer")
     positions, labels = _rate_axis([row["offered_rate"] for row in rows])
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     left.plot(positions, [r["output_tokens_per_s"] for r in rows], "o-", label="output tok/s")
+    if peer is not None:
+        left.plot(positions, [r["output_tokens_per_s"] for r in peer["rows"]], "o--",
+                  color="tab:gray", label=f"{peer['name']} output tok/s")  # fmt: skip
     left.set_ylabel("output tokens/s")
     twin = left.twinx()
     twin.plot(positions, [r["request_throughput"] for r in rows], "s--", color="tab:orange",
@@ -53,6 +66,10 @@ def plot_serving(result: dict, path: Path) -> None:
         for point, alpha in (("p50", 1.0), ("p99", 0.5)):
             values = [row[key][point] for row in rows]
             right.plot(positions, values, style, alpha=alpha, label=f"{name} {point}")
+        if peer is not None:
+            values = [row[key]["p50"] for row in peer["rows"]]
+            right.plot(positions, values, style[0] + "--", color="tab:gray",
+                       label=f"{peer['name']} {name} p50")  # fmt: skip
     right.set_yscale("log")
     right.set_ylabel("milliseconds")
     right.set_title("latency")
@@ -61,7 +78,10 @@ def plot_serving(result: dict, path: Path) -> None:
         axis.set_xticks(positions, labels)
         axis.set_xlabel("offered load (requests/s)")
         axis.grid(alpha=0.3)
-    figure.suptitle(f"core-serve under Poisson load ({result['server']})", fontsize=10)
+    title = f"core-serve under Poisson load ({result['server']})"
+    if peer is not None:
+        title += f", {peer['name']} {peer['version']} dashed"
+    figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -86,13 +106,15 @@ def write_readme_section(results_dir: Path, path: Path) -> None:
     parts = [SECTION_INTRO]
     for name in SECTION_ORDER:
         table = results_dir / f"{name}.md"
-        if table.is_file():
-            text = table.read_text().strip()
-            if not text.startswith("#") and name in SECTION_TITLES:
-                text = f"{SECTION_TITLES[name]}\n\n{text}"
-            parts.append(text + "\n")
-        if name == "serving" and (results_dir / "serving.png").is_file():
-            relative = (results_dir / "serving.png").relative_to(path.parent.parent)
+        if not table.is_file():
+            continue
+        text = table.read_text().strip()
+        if not text.startswith("#") and name in SECTION_TITLES:
+            text = f"{SECTION_TITLES[name]}\n\n{text}"
+        parts.append(text + "\n")
+        plot = results_dir / f"{name}.png"
+        if name in ("serving", "serving_vllm") and plot.is_file():
+            relative = plot.relative_to(path.parent.parent)
             parts.append(f"![throughput and latency against load]({relative.as_posix()})\n")
     conditions = results_dir / "CONDITIONS.md"
     if conditions.is_file():
