@@ -5,8 +5,9 @@ source text, the compile command, the compiler's version and this CPU's model an
 a cache directory shared by different machines never hands one a library built for another.
 Builds go to a temporary file renamed into place, so concurrent workers are safe.
 
-Nothing here is required: without a C compiler (or with CORE_ENGINE_CPU_KERNELS=0) `load`
-returns None and the engine runs the torch reference instead.
+Nothing here is required: without a C compiler, with CORE_ENGINE_CPU_KERNELS=0, or after
+`set_enabled(False)` (the worker's --enforce-eager) `load` returns None and the engine runs the
+torch reference instead.
 """
 
 from __future__ import annotations
@@ -40,11 +41,30 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "core-engine" / "cpu-kernels"
 
 
-@functools.cache
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Whether this process may build and use the C kernels (False: torch ops only)."""
+    global _enabled
+    _enabled = enabled
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel library with its argument types set, or None (logged once)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    """The compiled kernel library with its argument types set, or None when turned off or
+    unavailable (logged once)."""
+    if not _enabled or os.environ.get(DISABLE_ENV, "1") == "0":
         return None
+    return _load_once()
+
+
+def forget_loaded() -> None:
+    """Drops the library `load` returned, so the next call builds or opens it again."""
+    _load_once.cache_clear()
+
+
+@functools.cache
+def _load_once() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler (cc/gcc/$CC): CPU attention runs the torch reference")

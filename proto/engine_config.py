@@ -50,6 +50,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     step_timeout_s: float = 300.0
     shutdown_timeout_s: float = 5.0
     max_frame_bytes: int = 64 * 1024 * 1024
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -163,6 +164,7 @@ FIELD_HELP = {
     "step_timeout_s": "seconds to wait for one step's result",
     "shutdown_timeout_s": "seconds to wait for a clean shutdown before killing",
     "max_frame_bytes": "largest accepted request frame",
+    "enforce_eager": "plain torch ops only: no C kernels compiled for CPU attention and fused ops",
 }
 
 

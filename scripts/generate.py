@@ -169,6 +169,7 @@ def load_worker(config: EngineConfig) -> Worker:
         max_num_batched_tokens=config.max_num_batched_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
         seed=config.seed,
+        enforce_eager=config.enforce_eager,
     )
     worker.load_model()
     return worker

@@ -40,9 +40,9 @@ def assert_matches_naive(case, out: torch.Tensor, atol: float = ATOL_FP32) -> No
 def fresh_loader(monkeypatch, tmp_path):
     """The loader with an empty build cache in tmp_path, forgotten again afterwards."""
     monkeypatch.setenv(cpu_kernel_loader.CACHE_ENV, str(tmp_path))
-    cpu_kernel_loader.load.cache_clear()
+    cpu_kernel_loader.forget_loaded()
     yield tmp_path
-    cpu_kernel_loader.load.cache_clear()
+    cpu_kernel_loader.forget_loaded()
 
 
 def test_kernel_builds_where_a_compiler_exists():
@@ -215,7 +215,7 @@ def test_build_is_cached_on_disk(fresh_loader):
     assert library is not None
     (built,) = fresh_loader.glob("cpu_paged_attention-*.so")
     mtime = built.stat().st_mtime_ns
-    cpu_kernel_loader.load.cache_clear()
+    cpu_kernel_loader.forget_loaded()
     assert cpu_kernel_loader.load() is not None
     assert [p.name for p in fresh_loader.iterdir()] == [built.name], "no leftover staging files"
     assert built.stat().st_mtime_ns == mtime, "a cached build must not be recompiled"

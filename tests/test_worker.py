@@ -1,5 +1,6 @@
 """Worker: argument errors, max_model_len, KV sizing and the full lifecycle on a tiny model."""
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import worker.model_loader
 from frontend.tokenizer import load_tokenizer
+from kernels import cpu_backend, cpu_kernel_loader
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from scripts.generate import generate_token_ids, main
@@ -114,7 +116,7 @@ def test_max_model_len_is_clamped_to_the_model(tiny_loader, tmp_path):
     w = Worker(str(model_file), device="cpu")
     w.load_model()
     assert w.max_model_len == 64
-    assert tiny_loader == [(model_file, CPU, torch.float32, 0, 1)]
+    assert tiny_loader == [(model_file, CPU, default_cpu_dtype(), 0, 1)]
     shorter = Worker(str(model_file), device="cpu", max_model_len=32)
     shorter.load_model()
     assert shorter.max_model_len == 32
@@ -125,7 +127,9 @@ def test_max_model_len_is_clamped_to_the_model(tiny_loader, tmp_path):
 def test_lifecycle_sizes_cache_and_generates(tiny_loader, tmp_path):
     model_file = tmp_path / "tiny.gguf"
     model_file.touch()
-    w = Worker(str(model_file), device="cpu", block_size=4, kv_cache_memory_bytes=1 << 20)
+    w = Worker(
+        str(model_file), device="cpu", dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20
+    )
     with pytest.raises(RuntimeError, match="load_model"):
         w.determine_num_available_blocks()
     w.load_model()
@@ -143,6 +147,39 @@ def test_lifecycle_sizes_cache_and_generates(tiny_loader, tmp_path):
     output = generate_token_ids(prompts, config, sampling_params=params, worker=w)
     model = TinyCausalLM()
     assert [r.token_ids for r in output.results] == [model.dense_greedy(p, 6) for p in prompts]
+
+
+def test_enforce_eager_turns_the_cpu_kernels_off_and_keeps_the_output(tiny_loader, tmp_path):
+    model_file = tmp_path / "tiny.gguf"
+    model_file.touch()
+    prompts = [[1, 2, 4, 5, 6], [8, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    config = EngineConfig(device="cpu", block_size=4, max_model_len=64, num_gpu_blocks_override=40)
+    outputs = []
+    try:
+        for enforce_eager in (True, False):
+            w = Worker(
+                str(model_file),
+                device="cpu",
+                dtype="float32",
+                block_size=4,
+                enforce_eager=enforce_eager,
+            )
+            w.load_model()
+            assert cpu_backend.is_available() is not enforce_eager
+            w.initialize_cache(40)
+            output = generate_token_ids(prompts, config, sampling_params=params, worker=w)
+            outputs.append([r.token_ids for r in output.results])
+    finally:
+        cpu_kernel_loader.set_enabled(True)
+    assert outputs[0] == outputs[1] == [TinyCausalLM().dense_greedy(p, 6) for p in prompts]
+
+
+def test_enforce_eager_is_a_cli_flag():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args(["--enforce-eager"])).enforce_eager
+    assert not EngineConfig.from_cli_args(parser.parse_args([])).enforce_eager
 
 
 def test_cpu_kv_budget_is_capped_and_overridable(monkeypatch):

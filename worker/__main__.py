@@ -134,6 +134,7 @@ def _make_worker(config: EngineConfig, rank: int, world_size: int):
         max_num_batched_tokens=config.max_num_batched_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
         seed=config.seed,
+        enforce_eager=config.enforce_eager,
         **extra_kwargs,
     )
 

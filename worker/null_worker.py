@@ -41,6 +41,7 @@ class NullWorker:
         max_num_batched_tokens: int = 2048,
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
+        enforce_eager: bool = False,
     ) -> None:
         self.device = "cpu" if device == "auto" else device
         self.rank = rank

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_kernel_loader
 from kernels.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput
 from worker.cpu_features import default_cpu_dtype
@@ -48,6 +49,7 @@ class Worker:
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
@@ -70,6 +72,7 @@ class Worker:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.seed = seed
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.enforce_eager = enforce_eager
         self.model = None
         self.model_config = None
         self.model_runner: ModelRunner | None = None
@@ -92,6 +95,7 @@ class Worker:
         )
         if self.device.type == "cpu":
             pack_linears(self.model)
+            cpu_kernel_loader.set_enabled(not self.enforce_eager)
         self._max_model_len = self._resolve_max_model_len()
         self.model_runner = self._new_model_runner()
         if self.device.type == "cuda":
