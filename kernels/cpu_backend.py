@@ -4,8 +4,8 @@ Same functions and contracts as `kernels/torch_reference.py`. Requests with at m
 SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks) go to `cpu_paged_attention.c`, which
 reads K/V straight from the paged cache: no gather copy, no padding to a chunk's longest
 request. Longer queries (prefill chunks) are matmul-bound and stay on SDPA's fused kernel.
-The C kernel is float32 only, and its head size must be a multiple of its vector width; other
-caches run wholly on the torch reference.
+The C kernel reads float32 or bfloat16 caches (queries and sums in float32), and its head size
+must be a multiple of its vector width; other caches run wholly on the torch reference.
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ def paged_attention(
 
 
 def _kernel_supports(library: ctypes.CDLL, kv_cache: torch.Tensor) -> bool:
-    """Contiguous float32 CPU caches whose head size is a multiple of the kernel's vector
-    width (16 floats with AVX-512)."""
+    """Contiguous float32 or bfloat16 CPU caches whose head size is a multiple of the
+    kernel's vector width (16 floats with AVX-512)."""
     head_dim = kv_cache.shape[4]
     return (
-        kv_cache.dtype == torch.float32
+        kv_cache.dtype in (torch.float32, torch.bfloat16)
         and kv_cache.device.type == "cpu"
         and kv_cache.is_contiguous()
         and head_dim % library.paged_attention_vector_floats() == 0
@@ -91,9 +91,10 @@ def _run_kernel(
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_q_heads = query.shape[1]
     scratch_floats = plan.max_query_x_seq_len * num_q_heads
-    status = library.paged_attention_f32(
+    status = library.paged_attention(
         query.data_ptr(),
         kv_cache.data_ptr(),
+        kv_cache.dtype == torch.bfloat16,
         plan.block_table.data_ptr(),
         plan.block_table.shape[1],
         plan.seq_lens.data_ptr(),

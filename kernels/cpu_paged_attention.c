@@ -1,4 +1,6 @@
-// Paged attention on CPU for requests with short queries (decodes, small chunks), float32.
+// Paged attention on CPU for requests with short queries (decodes, small chunks): float32
+// queries and outputs over a float32 or bfloat16 cache (bf16 values widen to float32 exactly,
+// by a 16-bit shift, as they are loaded; every sum is float32).
 //
 // Reads K/V straight from the paged cache [2, num_blocks, block_size, H_kv, D] through the
 // block table: no gather copy, no padding, and slots past a request's length (or past a query
@@ -20,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_scalar_math.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VECTOR_FLOATS 16
@@ -34,8 +38,8 @@
 
 typedef struct {
     const float* query;          // [T, H_q, D]
-    const float* key_cache;      // [num_blocks, block_size, H_kv, D]
-    const float* value_cache;    // same shape, right after the keys
+    const char* key_cache;       // [num_blocks, block_size, H_kv, D] of float32 or bf16
+    const char* value_cache;     // same shape, right after the keys
     const int32_t* block_table;  // [B, block_table_stride]
     const int32_t* seq_lens;     // [B]: cached tokens after this step's write
     const int32_t* query_start;  // [B + 1]
@@ -56,7 +60,7 @@ typedef struct {
     int32_t seq_len;
     int32_t context;        // query token t sits at position context + t, sees keys ..context + t
     int32_t group;          // query heads per KV head
-    int64_t token_stride;   // floats from one cached token to the next (H_kv * D)
+    int64_t token_stride;   // elements from one cached token to the next (H_kv * D)
     int32_t kv_head_begin;  // the KV heads this work item covers, and their query heads
     int32_t kv_head_end;
 } Request;
@@ -79,6 +83,24 @@ static inline float dot(const float* restrict a, const float* restrict b, int32_
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int32_t d = 0; d < n; ++d) sum += a[d] * b[d];
+    return sum;
+#endif
+}
+
+// a . b over n elements for a bf16 b; same conditions as dot.
+static inline float dot_bf16(const float* restrict a, const uint16_t* restrict b, int32_t n) {
+#if VECTOR_FLOATS == 16
+    __m512 sum = _mm512_setzero_ps();
+    for (int32_t d = 0; d < n; d += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + d)));
+        const __m512 values = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), values, sum);
+    }
+    return _mm512_reduce_add_ps(sum);
+#else
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int32_t d = 0; d < n; ++d) sum += a[d] * bf16_to_float(b[d]);
     return sum;
 #endif
 }
@@ -107,57 +129,82 @@ static inline void add_weighted_sum(float* restrict out, const float* restrict v
     }
 }
 
-// exp(x) for x <= 0 to about 2 ulp, in a form the compiler vectorizes (glibc's expf only
-// vectorizes under -ffast-math, which would also drop the IEEE semantics the rest relies on).
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;  // NaN stays NaN
-    // n = round(x / ln 2) by the float-add trick: 1.5 * 2^23 pushes the fraction out.
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = fmaf(n, -0.693359375f, fmaf(n, 2.12194440e-4f, x));
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r + 1.0f);
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_to_n;
-    memcpy(&two_to_n, &bits, sizeof two_to_n);
-    return p * two_to_n;
+// add_weighted_sum for a bf16 v.
+static inline void add_weighted_sum_bf16(float* restrict out, const uint16_t* restrict v,
+                                         int64_t stride, const float* restrict weights,
+                                         int32_t num_keys, int32_t n) {
+#if VECTOR_FLOATS == 16
+    if (n <= 256) {
+        __m512 acc[16];
+        for (int32_t c = 0; c < n / 16; ++c) acc[c] = _mm512_loadu_ps(out + c * 16);
+        for (int32_t key = 0; key < num_keys; ++key, v += stride) {
+            const __m512 weight = _mm512_set1_ps(weights[key]);
+            for (int32_t c = 0; c < n / 16; ++c) {
+                const __m256i half = _mm256_loadu_si256((const __m256i*)(v + c * 16));
+                const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+                acc[c] = _mm512_fmadd_ps(weight, _mm512_castsi512_ps(wide), acc[c]);
+            }
+        }
+        for (int32_t c = 0; c < n / 16; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
+        return;
+    }
+#endif
+    for (int32_t key = 0; key < num_keys; ++key, v += stride) {
+        const float weight = weights[key];
+#pragma omp simd
+        for (int32_t d = 0; d < n; ++d) out[d] += weight * bf16_to_float(v[d]);
+    }
 }
 
-// The cached rows of tokens start.. (to the end of start's block), all KV heads.
-static inline const float* block_rows(const Problem* p, const Request* r, const float* cache,
-                                      int32_t start) {
+// The two element types of the cache: `bf16` is a compile-time constant wherever these are
+// inlined (see attend), so each specialization keeps one branch.
+static inline float dot_cache(const float* q, const char* k, int32_t n, int bf16) {
+    return bf16 ? dot_bf16(q, (const uint16_t*)k, n) : dot(q, (const float*)k, n);
+}
+
+static inline void add_weighted_cache(float* out, const char* v, int64_t stride,
+                                      const float* weights, int32_t num_keys, int32_t n,
+                                      int bf16) {
+    if (bf16)
+        add_weighted_sum_bf16(out, (const uint16_t*)v, stride, weights, num_keys, n);
+    else
+        add_weighted_sum(out, (const float*)v, stride, weights, num_keys, n);
+}
+
+// The cached rows of tokens start.. (to the end of start's block), all KV heads; `elem` is
+// the cache's element size in bytes.
+static inline const char* block_rows(const Problem* p, const Request* r, const char* cache,
+                                     int32_t start, int32_t elem) {
     const int64_t slot = (int64_t)r->blocks[start / p->block_size] * p->block_size;
-    return cache + (slot + start % p->block_size) * r->token_stride;
+    return cache + (slot + start % p->block_size) * r->token_stride * elem;
 }
 
-// Hints that one token's row (all KV heads) will be read soon (GCC and Clang builtin).
-static inline void prefetch_row(const float* row, int64_t num_floats) {
-    for (int64_t offset = 0; offset < num_floats; offset += 16) __builtin_prefetch(row + offset);
+// Hints that `num_bytes` from `row` will be read soon (GCC and Clang builtin).
+static inline void prefetch_row(const char* row, int64_t num_bytes) {
+    for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(row + offset);
 }
 
 // Score rows t * H_q + head, `seq_len` floats apart: the scaled dot products of the item's
 // query rows with the keys of one block, start..end-1. Token `key - start` of the next block
 // (`next`, or NULL) is prefetched alongside.
-static inline void score_block(const Problem* p, const Request* r, const float* k,
-                               const float* next, int32_t start, int32_t end, int32_t head_dim,
-                               float* scores) {
+static inline void score_block(const Problem* p, const Request* r, const char* k,
+                               const char* next, int32_t start, int32_t end, int32_t head_dim,
+                               int32_t elem, float* scores) {
     const int32_t num_q_heads = p->num_q_heads;
-    const int64_t first_float = (int64_t)r->kv_head_begin * head_dim;
-    const int64_t span = (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim;
-    for (int32_t key = start; key < end; ++key, k += r->token_stride) {
-        if (next != NULL) prefetch_row(next + (key - start) * r->token_stride + first_float, span);
+    const int64_t row_bytes = r->token_stride * elem;
+    const int64_t first_byte = (int64_t)r->kv_head_begin * head_dim * elem;
+    const int64_t span = (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim * elem;
+    for (int32_t key = start; key < end; ++key, k += row_bytes) {
+        if (next != NULL) prefetch_row(next + (key - start) * row_bytes + first_byte, span);
         const int32_t first_token = key > r->context ? key - r->context : 0;
         for (int32_t t = first_token; t < r->q_len; ++t) {
             int64_t row = (int64_t)t * num_q_heads + (int64_t)r->kv_head_begin * r->group;
             for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head) {
-                const float* k_head = k + (int64_t)kv_head * head_dim;
+                const char* k_head = k + (int64_t)kv_head * head_dim * elem;
                 for (int32_t g = 0; g < r->group; ++g, ++row)
                     scores[row * r->seq_len + key] =
-                        dot(r->query + row * head_dim, k_head, head_dim) * p->scale;
+                        dot_cache(r->query + row * head_dim, k_head, head_dim, elem == 2) *
+                        p->scale;
             }
         }
     }
@@ -189,14 +236,15 @@ static inline void softmax_rows(const Problem* p, const Request* r, float* score
 
 // Output rows += softmax weights * V over the keys start..end-1 of one block that each query
 // token sees; `next` as in score_block.
-static inline void value_block(const Problem* p, const Request* r, const float* v,
-                               const float* next, int32_t start, int32_t end, int32_t head_dim,
-                               const float* scores) {
-    const int64_t first_float = (int64_t)r->kv_head_begin * head_dim;
-    const int64_t span = (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim;
+static inline void value_block(const Problem* p, const Request* r, const char* v,
+                               const char* next, int32_t start, int32_t end, int32_t head_dim,
+                               int32_t elem, const float* scores) {
+    const int64_t row_bytes = r->token_stride * elem;
+    const int64_t first_byte = (int64_t)r->kv_head_begin * head_dim * elem;
+    const int64_t span = (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim * elem;
     if (next != NULL) {
         for (int32_t key = start; key < end; ++key)
-            prefetch_row(next + (key - start) * r->token_stride + first_float, span);
+            prefetch_row(next + (key - start) * row_bytes + first_byte, span);
     }
     const int32_t num_q_heads = p->num_q_heads;
     for (int32_t t = 0; t < r->q_len; ++t) {
@@ -204,19 +252,20 @@ static inline void value_block(const Problem* p, const Request* r, const float* 
         if (visible_end <= start) continue;
         int64_t row = (int64_t)t * num_q_heads + (int64_t)r->kv_head_begin * r->group;
         for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head) {
-            const float* v_head = v + (int64_t)kv_head * head_dim;
+            const char* v_head = v + (int64_t)kv_head * head_dim * elem;
             for (int32_t g = 0; g < r->group; ++g, ++row)
-                add_weighted_sum(r->out + row * head_dim, v_head, r->token_stride,
-                                 scores + row * r->seq_len + start, visible_end - start,
-                                 head_dim);
+                add_weighted_cache(r->out + row * head_dim, v_head, r->token_stride,
+                                   scores + row * r->seq_len + start, visible_end - start,
+                                   head_dim, elem == 2);
         }
     }
 }
 
 // Request `req`, KV heads kv_head_begin..kv_head_end-1 and their query heads; `scores` holds
-// q_len * H_q * seq_len floats.
+// q_len * H_q * seq_len floats; `elem` is the cache's element size (4: float32, 2: bf16).
 static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head_begin,
-                                  int32_t kv_head_end, int32_t head_dim, float* scores) {
+                                  int32_t kv_head_end, int32_t head_dim, int32_t elem,
+                                  float* scores) {
     const int32_t q_begin = p->query_start[req];
     Request r = {
         .blocks = p->block_table + (int64_t)req * p->block_table_stride,
@@ -233,9 +282,9 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
     const int32_t block_size = p->block_size;
     for (int32_t start = 0; start < r.seq_len; start += block_size) {
         const int32_t end = MIN(start + block_size, r.seq_len);
-        const float* next = end < r.seq_len ? block_rows(p, &r, p->key_cache, end) : NULL;
-        score_block(p, &r, block_rows(p, &r, p->key_cache, start), next, start, end, head_dim,
-                    scores);
+        const char* next = end < r.seq_len ? block_rows(p, &r, p->key_cache, end, elem) : NULL;
+        score_block(p, &r, block_rows(p, &r, p->key_cache, start, elem), next, start, end,
+                    head_dim, elem, scores);
     }
     softmax_rows(p, &r, scores);
     const int64_t num_floats = (int64_t)(kv_head_end - kv_head_begin) * r.group * head_dim;
@@ -245,39 +294,52 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
     }
     for (int32_t start = 0; start < r.seq_len; start += block_size) {
         const int32_t end = MIN(start + block_size, r.seq_len);
-        const float* next = end < r.seq_len ? block_rows(p, &r, p->value_cache, end) : NULL;
-        value_block(p, &r, block_rows(p, &r, p->value_cache, start), next, start, end, head_dim,
-                    scores);
+        const char* next =
+            end < r.seq_len ? block_rows(p, &r, p->value_cache, end, elem) : NULL;
+        value_block(p, &r, block_rows(p, &r, p->value_cache, start, elem), next, start, end,
+                    head_dim, elem, scores);
     }
 }
 
-// Head sizes known at compile time get fully unrolled loops.
-static inline void attend(const Problem* p, int32_t req, int32_t kv_head_begin,
-                          int32_t kv_head_end, int32_t head_dim, float* scores) {
+// Head sizes known at compile time get fully unrolled loops; each element type its own code.
+static inline void attend_typed(const Problem* p, int32_t req, int32_t kv_head_begin,
+                                int32_t kv_head_end, int32_t head_dim, int32_t elem,
+                                float* scores) {
     switch (head_dim) {
-        case 64: attend_request(p, req, kv_head_begin, kv_head_end, 64, scores); break;
-        case 128: attend_request(p, req, kv_head_begin, kv_head_end, 128, scores); break;
-        default: attend_request(p, req, kv_head_begin, kv_head_end, head_dim, scores);
+        case 64: attend_request(p, req, kv_head_begin, kv_head_end, 64, elem, scores); break;
+        case 128: attend_request(p, req, kv_head_begin, kv_head_end, 128, elem, scores); break;
+        default: attend_request(p, req, kv_head_begin, kv_head_end, head_dim, elem, scores);
     }
+}
+
+static inline void attend(const Problem* p, int32_t req, int32_t kv_head_begin,
+                          int32_t kv_head_end, int32_t head_dim, int32_t cache_is_bf16,
+                          float* scores) {
+    if (cache_is_bf16)
+        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 2, scores);
+    else
+        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 4, scores);
 }
 
 // The head_dim the vector paths need a multiple of (the caller checks before calling).
 int paged_attention_vector_floats(void) { return VECTOR_FLOATS; }
 
 // Attends the requests listed in `requests` (indices into seq_lens / query_start); other
-// rows of `out` are left untouched. `max_rows_x_len` bounds q_len * num_q_heads * seq_len over
+// rows of `out` are left untouched. The cache holds float32, or bf16 when `cache_is_bf16`. `max_rows_x_len` bounds q_len * num_q_heads * seq_len over
 // the listed requests (the scratch each thread allocates for its scores). Returns 0, or -1
 // when that allocation failed.
-int paged_attention_f32(const float* query, const float* kv_cache, const int32_t* block_table,
-                        int64_t block_table_stride, const int32_t* seq_lens,
-                        const int32_t* query_start, const int32_t* requests,
-                        int32_t num_requests, int64_t num_cache_blocks, int32_t block_size,
-                        int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, float scale,
-                        int64_t max_rows_x_len, float* out, int32_t num_threads) {
-    const int64_t cache_half = num_cache_blocks * block_size * num_kv_heads * head_dim;
-    const Problem problem = {query,      kv_cache,     kv_cache + cache_half, block_table,
-                             seq_lens,   query_start,  out,                   block_table_stride,
-                             block_size, num_q_heads, num_kv_heads,          scale};
+int paged_attention(const float* query, const void* kv_cache, int32_t cache_is_bf16,
+                    const int32_t* block_table, int64_t block_table_stride,
+                    const int32_t* seq_lens, const int32_t* query_start, const int32_t* requests,
+                    int32_t num_requests, int64_t num_cache_blocks, int32_t block_size,
+                    int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, float scale,
+                    int64_t max_rows_x_len, float* out, int32_t num_threads) {
+    const int64_t elem = cache_is_bf16 ? 2 : 4;
+    const int64_t half_bytes = num_cache_blocks * block_size * num_kv_heads * head_dim * elem;
+    const char* keys = (const char*)kv_cache;
+    const Problem problem = {query,      keys,        keys + half_bytes, block_table,
+                             seq_lens,   query_start, out,               block_table_stride,
+                             block_size, num_q_heads, num_kv_heads,      scale};
     // A work item is a request, or with fewer requests than threads one KV head of one (a
     // single long decode would otherwise run on one thread).
     const int32_t split = num_threads > 1 && num_requests < num_threads ? num_kv_heads : 1;
@@ -295,7 +357,8 @@ int paged_attention_f32(const float* query, const float* kv_cache, const int32_t
             if (scores == NULL) continue;
             const int32_t begin = split == 1 ? 0 : (int32_t)(item % split);
             const int32_t end = split == 1 ? num_kv_heads : begin + 1;
-            attend(&problem, requests[item / split], begin, end, head_dim, scores);
+            attend(&problem, requests[item / split], begin, end, head_dim, cache_is_bf16,
+                   scores);
         }
         free(scores);
     }

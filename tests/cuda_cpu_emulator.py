@@ -78,7 +78,7 @@ def build_library(text: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cpp = Path(tmp) / "kernel.cpp"
         cpp.write_text(text)
-        compile_shared_library(["g++", *COMPILE_FLAGS], cpp, target)
+        compile_shared_library(["g++", *COMPILE_FLAGS], [cpp], target)
     return target
 
 

@@ -490,7 +490,9 @@ def test_serving_ratios_and_markdown_with_a_peer():
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_bench_offline_quick(tmp_path):
-    result = run_quick("bench_offline", tmp_path)
+    # float32 on both sides whatever this CPU's default, so greedy first tokens can be compared.
+    result = run_quick("bench_offline", tmp_path, "--dtype", "float32")
+    assert result["dtype"] == "float32"
     assert [row["workload"] for row in result["rows"]] == ["mixed", "decode-heavy", "prefill-heavy"]
     assert [row["peer"] for row in result["rows"]] == ["transformers"] * 3
     assert result["num_threads"] == result["torch_num_threads"] == default_num_threads()

@@ -7,6 +7,7 @@ the split between the kernel and SDPA, OpenMP threads, the build cache and the f
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -164,11 +165,35 @@ def test_kernel_never_reads_a_non_contiguous_cache():
     assert cpu_backend._kernel_supports(library, kv_cache.contiguous())
 
 
-def test_bfloat16_cache_runs_the_reference():
-    case = make_case([30, 9], [10, 1], 4, 1, 64, dtype=torch.bfloat16)
+# bf16 outputs of magnitude up to ~4 are rounded to steps of 2^-6; the sums inside are float32.
+ATOL_BF16 = 2e-2
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [
+        pytest.param([15, 16, 17], [1, 1, 1], id="decode-block-pm1"),
+        pytest.param([1, 70, 5, 130, 48, 300], [1, 30, 5, 1, 17, 4], id="mixed"),
+    ],
+)
+def test_bfloat16_cache_runs_the_kernel_and_matches_naive(seq_lens, q_lens):
+    case = make_case(seq_lens, q_lens, 8, 2, 64, dtype=torch.bfloat16, num_padding_tokens=2)
+    library = cpu_kernel_loader.load()
+    assert cpu_backend._kernel_supports(library, case.kv_cache)
+    out = run_backend(case)
+    assert out.dtype == torch.bfloat16
+    assert_matches_naive(case, out, atol=ATOL_BF16)
+    expected = torch_reference.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    real = slice(0, case.num_real_tokens)
+    torch.testing.assert_close(out[real].float(), expected[real].float(), atol=ATOL_BF16, rtol=0)
+
+
+def test_float16_cache_runs_the_reference():
+    case = make_case([30, 9], [10, 1], 4, 1, 64, dtype=torch.float16)
+    assert not cpu_backend._kernel_supports(cpu_kernel_loader.load(), case.kv_cache)
     out = run_backend(case)
     expected = torch_reference.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == torch.float16
     assert torch.equal(out[: case.num_real_tokens], expected[: case.num_real_tokens])
 
 
@@ -191,12 +216,12 @@ def test_narrower_vector_paths_match_naive(monkeypatch, tmp_path, extra_flags, v
     library = cpu_kernel_loader.open_library(cpu_kernel_loader.build(compiler, extra_flags))
     assert library.paged_attention_vector_floats() == vector_floats
     monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
-    for head_dim in (24, 64, 320):
-        case = make_case([1, 17, 70, 33], [1, 1, 5, 16], 6, 2, head_dim, seed=head_dim)
+    for head_dim, dtype in itertools.product((24, 64, 320), (torch.float32, torch.bfloat16)):
+        case = make_case([1, 17, 70, 33], [1, 1, 5, 16], 6, 2, head_dim, dtype=dtype, seed=head_dim)
         out = run_backend(case)
         uses_kernel = cpu_backend._kernel_supports(library, case.kv_cache)
         assert uses_kernel == (head_dim % vector_floats == 0)
-        assert_matches_naive(case, out)
+        assert_matches_naive(case, out, atol=ATOL_FP32 if dtype == torch.float32 else ATOL_BF16)
 
 
 def test_nan_in_a_visible_key_reaches_the_output():
@@ -213,7 +238,7 @@ def test_nan_in_a_visible_key_reaches_the_output():
 def test_build_is_cached_on_disk(fresh_loader):
     library = cpu_kernel_loader.load()
     assert library is not None
-    (built,) = fresh_loader.glob("cpu_paged_attention-*.so")
+    (built,) = fresh_loader.glob(f"{cpu_kernel_loader.LIBRARY_NAME}-*.so")
     mtime = built.stat().st_mtime_ns
     cpu_kernel_loader.forget_loaded()
     assert cpu_kernel_loader.load() is not None
