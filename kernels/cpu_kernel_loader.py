@@ -1,7 +1,9 @@
-"""Builds the C kernels of the CPU backend with the system compiler, once per machine.
+"""Builds the C kernels of the CPU worker with the system compiler, once per machine.
 
-The shared library is compiled with `-march=native`, so it is cached under a key made of the
-source text, the compile command, the compiler's version and this CPU's model and flags:
+One shared library holds them all: paged attention (`cpu_paged_attention.c`) and the fused
+elementwise ops of a decoder layer (`cpu_fused_ops.c`). It is compiled with `-march=native`,
+so it is cached under a key made of the sources' text, the compile command, the compiler's
+version and this CPU's model and flags:
 a cache directory shared by different machines never hands one a library built for another.
 Builds go to a temporary file renamed into place, so concurrent workers are safe.
 
@@ -25,7 +27,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "cpu_paged_attention.c"
+KERNEL_DIR = Path(__file__).resolve().parent
+SOURCES = (KERNEL_DIR / "cpu_paged_attention.c", KERNEL_DIR / "cpu_fused_ops.c")
+HEADERS = (KERNEL_DIR / "cpu_scalar_math.h",)
+LIBRARY_NAME = "cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "CORE_ENGINE_CPU_KERNELS"
 CACHE_ENV = "CORE_ENGINE_KERNEL_CACHE"
@@ -67,12 +72,12 @@ def forget_loaded() -> None:
 def _load_once() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler (cc/gcc/$CC): CPU attention runs the torch reference")
+        logger.warning("no C compiler (cc/gcc/$CC): the CPU worker runs torch ops only")
         return None
     try:
         return open_library(build(compiler))
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU attention kernel unavailable, using the torch reference: %s", exc)
+        logger.warning("CPU kernels unavailable, running the torch reference: %s", exc)
         return None
 
 
@@ -84,26 +89,27 @@ def open_library(path: Path) -> ctypes.CDLL:
 
 
 def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The cached library for this source, compiler, flags and CPU; compiled if missing.
+    """The cached library for these sources, compiler, flags and CPU; compiled if missing.
 
     `extra_flags` go after COMPILE_FLAGS (tests build the AVX2 and plain-C paths with
     `-mno-avx512f` and `-mno-avx2 -mno-fma`). Raises OSError when the compiler fails.
     """
     command = [compiler, *COMPILE_FLAGS, *extra_flags]
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(command).encode(), _compiler_version(compiler)):
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.read_bytes())
+    for part in (" ".join(command).encode(), _compiler_version(compiler), _cpu_identity()):
         key.update(part)
-    key.update(_cpu_identity())
-    target = cache_dir() / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"{LIBRARY_NAME}-{key.hexdigest()[:16]}.so"
     if not target.is_file():
-        compile_shared_library(command, SOURCE, target, libraries=("-lm",))
+        compile_shared_library(command, SOURCES, target, libraries=("-lm",))
     return target
 
 
 def compile_shared_library(
-    command: Sequence[str], source: Path, target: Path, libraries: Sequence[str] = ()
+    command: Sequence[str], sources: Sequence[Path], target: Path, libraries: Sequence[str] = ()
 ) -> None:
-    """Runs `command -o STAGING source libraries` and renames the result to `target`, so a
+    """Runs `command -o STAGING sources libraries` and renames the result to `target`, so a
     concurrent reader never sees a half-written library. Raises OSError with the compiler's
     message when it fails; leaves no staging file behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +117,7 @@ def compile_shared_library(
     os.close(fd)
     try:
         result = subprocess.run(
-            [*command, "-o", staging, str(source), *libraries],
+            [*command, "-o", staging, *map(str, sources), *libraries],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -144,27 +150,44 @@ def _cpu_identity() -> bytes:
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    library.paged_attention_vector_floats.restype = ctypes.c_int
-    library.paged_attention_vector_floats.argtypes = []
-    function = library.paged_attention_f32
-    function.restype = ctypes.c_int
-    function.argtypes = [
-        pointer,  # query
-        pointer,  # kv_cache
-        pointer,  # block_table
-        i64,  # block_table_stride
-        pointer,  # seq_lens
-        pointer,  # query_start
-        pointer,  # requests
-        i32,  # num_requests
-        i64,  # num_cache_blocks
-        i32,  # block_size
-        i32,  # num_q_heads
-        i32,  # num_kv_heads
-        i32,  # head_dim
-        ctypes.c_float,  # scale
-        i64,  # max_rows_x_len
-        pointer,  # out
-        i32,  # num_threads
-    ]
+    pointer, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    _signature(library.paged_attention_vector_floats, [], ctypes.c_int)
+    _signature(
+        library.paged_attention,
+        [
+            pointer,  # query
+            pointer,  # kv_cache
+            i32,  # cache_is_bf16
+            pointer,  # block_table
+            i64,  # block_table_stride
+            pointer,  # seq_lens
+            pointer,  # query_start
+            pointer,  # requests
+            i32,  # num_requests
+            i64,  # num_cache_blocks
+            i32,  # block_size
+            i32,  # num_q_heads
+            i32,  # num_kv_heads
+            i32,  # head_dim
+            f32,  # scale
+            i64,  # max_rows_x_len
+            pointer,  # out
+            i32,  # num_threads
+        ],
+        ctypes.c_int,
+    )
+    # x, residual, weight, out, bf16, rows, cols, eps, num_threads
+    _signature(
+        library.fused_add_rms_norm, [pointer, pointer, pointer, pointer, i32, i64, i64, f32, i32]
+    )
+    # x, bf16, tokens, row_stride, num_heads, head_dim, cos, sin, num_threads
+    _signature(
+        library.rotary_embedding_neox, [pointer, i32, i64, i64, i32, i32, pointer, pointer, i32]
+    )
+    # x, out, bf16, rows, width, num_threads
+    _signature(library.silu_and_mul, [pointer, pointer, i32, i64, i64, i32])
+
+
+def _signature(function, argtypes: list, restype=None) -> None:
+    function.argtypes = argtypes
+    function.restype = restype

@@ -7,8 +7,10 @@ takes the FULL checkpoint tensor and copies in this rank's slice, so loaders nev
 ranks. With `tp_size == 1` the collectives are no-ops; with more they use the default
 torch.distributed process group that `worker.parallel_state.init_distributed` joined.
 
-Numerics follow transformers' Llama exactly (norm in float32, RoPE angles in float32, same
-operation order), so logits match it to float32 rounding.
+Numerics follow transformers' Llama (norm in float32, RoPE angles in float32, same operation
+order), so logits match it to float32 rounding. On a CPU with the C kernels built, the residual
+add + norm, RoPE and SiLU-and-mul run fused (`kernels.cpu_fused_ops`): float32 inside, one
+rounding of a bf16 result, so they differ from the torch ops by a few float32 ulps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_fused_ops
 from worker.cpu_linear import PackableLinear
 from worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_all_reduce
 
@@ -71,7 +74,8 @@ class RMSNorm(nn.Module):
     add fused with the norm of its result (vLLM's fused_add_rms_norm). y comes out in the
     weight's dtype; the residual keeps its own. When x has the weight's dtype the numerics are
     transformers' (normalize in float32, round to the dtype, multiply by the weight); a float32
-    residual stream under low-precision weights is scaled in float32 and rounded once.
+    residual stream under low-precision weights is scaled in float32 and rounded once. On a CPU
+    with the C kernels, the fused form updates `residual` in place and returns it.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -84,8 +88,22 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._normalize(x)
+        if self._fuses(x, residual):
+            out = cpu_fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return out, residual
         residual = residual + x
         return self._normalize(residual), residual
+
+    def _fuses(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether the C kernel takes this add + norm: [T, H] rows, a contiguous float32
+        residual and x in the weight's dtype, on a CPU with the kernels built."""
+        return (
+            x.dim() == 2
+            and residual.dtype == torch.float32
+            and residual.is_contiguous()
+            and x.dtype == self.weight.dtype
+            and cpu_fused_ops.supports(x, residual, self.weight)
+        )
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = self.weight.dtype
@@ -97,7 +115,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE angles for rotate-half (NEOX/HF) layout: `forward(positions)` -> (cos, sin) [T, D].
+    """RoPE angles for rotate-half (NEOX/HF) layout: `forward(positions)` -> float32 (cos, sin)
+    [T, D / 2], the angles of the pairs (i, i + D / 2).
 
     `rope_scaling` None, {"rope_type": "linear", "factor"} or Llama 3's
     {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
@@ -130,8 +149,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return angles.cos(), angles.sin()
 
 
@@ -152,18 +170,25 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by (cos, sin) [T, D] (float32), computed in x's dtype."""
+    """x [T, H, D] rotated by float32 (cos, sin) [T, D / 2]. The torch ops compute in x's dtype
+    and give transformers' bits (x * cos + rotate_half(x) * sin, term by term); on a CPU with
+    the C kernels x is rotated IN PLACE and returned (callers pass temporaries)."""
+    if x.stride(-1) == 1 and x.stride(1) == x.shape[2] and cpu_fused_ops.supports(x):
+        cpu_fused_ops.rotary_embedding_neox_(x, cos, sin)
+        return x
     cos = cos[:, None, :].to(x.dtype)
     sin = sin[:, None, :].to(x.dtype)
     half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated_half * sin
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
 class SiluAndMul(nn.Module):
     """[..., 2 * I] -> silu(first half) * second half, [..., I] (gate, then up)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_fused_ops.supports(x):
+            return cpu_fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
