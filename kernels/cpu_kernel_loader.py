@@ -1,7 +1,8 @@
 """Builds the C kernels of the CPU worker with the system compiler, once per machine.
 
-One shared library holds them all: paged attention (`cpu_paged_attention.c`) and the fused
-elementwise ops of a decoder layer (`cpu_fused_ops.c`). It is compiled with `-march=native`,
+One shared library holds them all: paged attention (`cpu_paged_attention.c`), the fused
+elementwise ops of a decoder layer (`cpu_fused_ops.c`) and the bf16 matmul with float32
+output of the LM head (`cpu_bf16_matmul.c`). It is compiled with `-march=native`,
 so it is cached under a key made of the sources' text, the compile command, the compiler's
 version and this CPU's model and flags:
 a cache directory shared by different machines never hands one a library built for another.
@@ -28,7 +29,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = (KERNEL_DIR / "cpu_paged_attention.c", KERNEL_DIR / "cpu_fused_ops.c")
+SOURCES = tuple(
+    KERNEL_DIR / name for name in ("cpu_paged_attention.c", "cpu_fused_ops.c", "cpu_bf16_matmul.c")
+)
 HEADERS = (KERNEL_DIR / "cpu_scalar_math.h",)
 LIBRARY_NAME = "cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -186,6 +189,9 @@ def _declare(library: ctypes.CDLL) -> None:
     )
     # x, out, bf16, rows, width, num_threads
     _signature(library.silu_and_mul, [pointer, pointer, i32, i64, i64, i32])
+    _signature(library.bf16_matmul_tile_columns, [], ctypes.c_int)
+    # x, packed, out, rows, k, padded_columns, num_threads
+    _signature(library.bf16_matmul_f32_out, [pointer, pointer, pointer, i64, i64, i64, i32])
 
 
 def _signature(function, argtypes: list, restype=None) -> None:

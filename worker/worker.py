@@ -94,8 +94,8 @@ class Worker:
             path, self.device, self.dtype, tp_rank=self.rank, tp_size=self.world_size
         )
         if self.device.type == "cpu":
-            pack_linears(self.model)
             cpu_kernel_loader.set_enabled(not self.enforce_eager)
+            pack_linears(self.model)
         self._max_model_len = self._resolve_max_model_len()
         self.model_runner = self._new_model_runner()
         if self.device.type == "cuda":

@@ -1,0 +1,85 @@
+"""The bf16 x bf16 -> float32 matmul kernel of the CPU LM head, against float64.
+
+Products of bf16 values are exact in float32 and the kernel sums in float32, so it agrees
+with a float64 matmul of the same bf16 operands to float32 summation error (about
+sqrt(k) * 2^-24 of the sum of |products|), far below one bf16 step of the result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_kernel_loader
+from kernels.cpu_bf16_matmul import Bf16MatmulWeight
+from worker.layers import ParallelLMHead
+
+library = cpu_kernel_loader.load()
+pytestmark = pytest.mark.skipif(
+    library is None or library.bf16_matmul_tile_columns() == 0,
+    reason="the bf16 matmul kernel needs a C compiler and a CPU with AVX512_BF16",
+)
+
+
+def bf16_randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def assert_float32_sums(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    expected = x.double() @ weight.double().T
+    bound = (x.double().abs() @ weight.double().abs().T) * 1e-6 + 1e-6
+    assert out.dtype == torch.float32 and out.shape == expected.shape
+    assert bool(((out.double() - expected).abs() <= bound).all())
+
+
+# Rows 1..13 cover every row tail of the 6-row tiles; 70 and 200 columns pad the last tile.
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13])
+@pytest.mark.parametrize(("columns", "k"), [(64, 2), (70, 576), (200, 30)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_matches_float64_for_every_tail(rows, columns, k, num_threads):
+    weight = bf16_randn(columns, k, seed=columns)
+    x = bf16_randn(rows, k, seed=rows)
+    packed = Bf16MatmulWeight.pack(weight)
+    assert packed is not None and packed.padded_columns % 64 == 0
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = packed.matmul(x)
+    finally:
+        torch.set_num_threads(previous)
+    assert_float32_sums(out, x, weight)
+
+
+def test_float32_input_is_rounded_to_bf16_first():
+    weight = bf16_randn(64, 8, seed=0)
+    x = torch.randn(3, 8)
+    assert_float32_sums(Bf16MatmulWeight.pack(weight).matmul(x), x.bfloat16(), weight)
+
+
+def test_what_the_kernel_cannot_take_is_refused():
+    assert Bf16MatmulWeight.pack(torch.randn(64, 8)) is None  # float32
+    assert Bf16MatmulWeight.pack(bf16_randn(64, 7, seed=0)) is None  # odd k
+    assert Bf16MatmulWeight.pack(bf16_randn(64, seed=0)) is None  # not a matrix
+    packed = Bf16MatmulWeight.pack(bf16_randn(64, 8, seed=0))
+    with pytest.raises(ValueError, match=r"\[M, 8\]"):
+        packed.matmul(torch.randn(2, 6))
+
+
+def test_disabled_kernels_leave_the_weight_to_torch():
+    cpu_kernel_loader.set_enabled(False)
+    try:
+        assert Bf16MatmulWeight.pack(bf16_randn(64, 8, seed=0)) is None
+    finally:
+        cpu_kernel_loader.set_enabled(True)
+
+
+def test_bf16_lm_head_gives_float32_logits_from_the_kernel():
+    head = ParallelLMHead(100, 32)
+    head.weight.data = bf16_randn(100, 32, seed=3)
+    weight = head.weight.detach().clone()
+    assert head.pack(keep_dense_weight=False)
+    assert head.bf16_weight is not None and head.weight is None and head.packed_weight is None
+    x = bf16_randn(9, 32, seed=4)
+    logits = head.compute_logits(x)
+    assert logits.shape == (9, 100)
+    assert_float32_sums(logits, x, weight)
