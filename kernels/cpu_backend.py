@@ -1,7 +1,8 @@
 """CPU backend: a C kernel for short queries, the torch reference's SDPA for long ones.
 
 Same functions and contracts as `kernels/torch_reference.py`. Requests with at most
-SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks) go to `cpu_paged_attention.c`, which
+SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks), or FAST_BF16_QUERY_MAX_TOKENS where
+the kernel's bf16 fast path applies, go to `cpu_paged_attention.c`, which
 reads K/V straight from the paged cache: no gather copy, no padding to a chunk's longest
 request. Longer queries (prefill chunks) are matmul-bound and stay on SDPA's fused kernel.
 The C kernel reads float32 or bfloat16 caches (queries and sums in float32), and its head size
@@ -21,6 +22,10 @@ from kernels.attention_metadata import AttentionMetadata
 # Above this many query tokens a request is faster through SDPA's blocked matmuls (the
 # crossover measured about 32 tokens at contexts of 300 to 2,000 here).
 SHORT_QUERY_MAX_TOKENS = 16
+# The same limit where the kernel takes its bf16 fast path (bf16 model, AVX512_BF16): faster
+# than SDPA up to 600-token prompts here (43 vs 51 ms for 8 of them), slower at 800; its
+# score rows grow with q_len * seq_len.
+FAST_BF16_QUERY_MAX_TOKENS = 512
 
 reshape_and_cache = torch_reference.reshape_and_cache
 
@@ -57,11 +62,14 @@ def paged_attention(
     dtype = query.dtype
     result = torch.empty(query.shape, dtype=torch.float32)
     query = query.float().contiguous()
-    plan = metadata.cached(("cpu", kv_cache.shape[2]), lambda: _build_plan(metadata, kv_cache))
+    limit = _query_limit(library, dtype, kv_cache)
+    plan = metadata.cached(
+        ("cpu", kv_cache.shape[2], limit), lambda: _build_plan(metadata, kv_cache, limit)
+    )
     for request in plan.long_requests:
         torch_reference.prefill_attention(query, kv_cache, scale, result, request)
     if len(plan.short_requests):
-        _run_kernel(library, query, kv_cache, scale, plan, result)
+        _run_kernel(library, query, dtype == torch.bfloat16, kv_cache, scale, plan, result)
     if out is None:
         return result.to(dtype)
     return out.copy_(result)
@@ -79,15 +87,29 @@ def _kernel_supports(library: ctypes.CDLL, kv_cache: torch.Tensor) -> bool:
     )
 
 
+def _query_limit(library: ctypes.CDLL, query_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
+    """The longest query the kernel takes (longer ones go to SDPA); see the two limits above."""
+    fast = (
+        library.paged_attention_bf16_fast_path()
+        and query_dtype == kv_cache.dtype == torch.bfloat16
+        and kv_cache.shape[4] % 32 == 0
+        and kv_cache.shape[2] % 16 == 0
+    )
+    return FAST_BF16_QUERY_MAX_TOKENS if fast else SHORT_QUERY_MAX_TOKENS
+
+
 def _run_kernel(
     library: ctypes.CDLL,
     query: torch.Tensor,
+    query_is_bf16: bool,
     kv_cache: torch.Tensor,
     scale: float,
     plan: _CpuPlan,
     result: torch.Tensor,
 ) -> None:
-    """Fills the short requests' rows of `result`; query and result are contiguous float32."""
+    """Fills the short requests' rows of `result`; query and result are contiguous float32
+    (`query_is_bf16`: the query was bf16 before it was widened, so the kernel may round it back
+    to bf16 exactly and take its bf16 fast path over a bf16 cache)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_q_heads = query.shape[1]
     scratch_floats = plan.max_query_x_seq_len * num_q_heads
@@ -95,6 +117,7 @@ def _run_kernel(
         query.data_ptr(),
         kv_cache.data_ptr(),
         kv_cache.dtype == torch.bfloat16,
+        query_is_bf16,
         plan.block_table.data_ptr(),
         plan.block_table.shape[1],
         plan.seq_lens.data_ptr(),
@@ -115,7 +138,7 @@ def _run_kernel(
         raise MemoryError(f"CPU attention could not allocate {scratch_floats * 4} bytes of scores")
 
 
-def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _CpuPlan:
+def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, query_limit: int) -> _CpuPlan:
     block_size = kv_cache.shape[2]
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
@@ -123,10 +146,10 @@ def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _CpuPlan
     block_table = None
     for row, seq_len in enumerate(seq_lens):
         q_len = starts[row + 1] - starts[row]
-        if 0 < q_len <= SHORT_QUERY_MAX_TOKENS:
+        if 0 < q_len <= query_limit:
             short.append(row)
             max_query_x_seq_len = max(max_query_x_seq_len, q_len * seq_len)
-        elif q_len > SHORT_QUERY_MAX_TOKENS:
+        elif q_len > query_limit:
             if block_table is None:
                 block_table = metadata.block_table.long()
             long_requests.append(

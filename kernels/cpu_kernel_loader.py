@@ -155,12 +155,14 @@ def _cpu_identity() -> bytes:
 def _declare(library: ctypes.CDLL) -> None:
     pointer, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
     _signature(library.paged_attention_vector_floats, [], ctypes.c_int)
+    _signature(library.paged_attention_bf16_fast_path, [], ctypes.c_int)
     _signature(
         library.paged_attention,
         [
             pointer,  # query
             pointer,  # kv_cache
             i32,  # cache_is_bf16
+            i32,  # query_is_bf16
             pointer,  # block_table
             i64,  # block_table_stride
             pointer,  # seq_lens

@@ -1,10 +1,12 @@
-// Paged attention on CPU for requests with short queries (decodes, small chunks): float32
-// queries and outputs over a float32 or bfloat16 cache (bf16 values widen to float32 exactly,
-// by a 16-bit shift, as they are loaded; every sum is float32).
+// Paged attention on CPU for requests with short queries (decodes, chunks; whole prompts of a
+// bf16 model): float32 queries and outputs over a float32 or bfloat16 cache (bf16 values widen
+// to float32 exactly, by a 16-bit shift, as they are loaded; every sum is float32).
 //
 // Reads K/V straight from the paged cache [2, num_blocks, block_size, H_kv, D] through the
 // block table: no gather copy, no padding, and slots past a request's length (or past a query
-// token's causal limit) are never read, so NaN there cannot reach the output.
+// token's causal limit) never reach the output: the general path does not read them, and the
+// bf16 fast path (below) computes scores of a whole 16-key group inside the request's own
+// block and stores only the lanes of real keys, so NaN there stays in dropped lanes.
 //
 // One work item is one request. Its score rows are (query token t, query head): a first pass
 // reads the request's K block by block (a block is contiguous in memory, a token's KV heads
@@ -49,7 +51,16 @@ typedef struct {
     int32_t num_q_heads;
     int32_t num_kv_heads;
     float scale;
+    int32_t fast_bf16;  // the bf16 fast path applies (see below)
 } Problem;
+
+// One thread's working memory: score rows, and for the bf16 fast path the request's query
+// in bf16 and one block of values widened to float32.
+typedef struct {
+    float* scores;
+    uint16_t* query_bf16;
+    float* widened_values;
+} Scratch;
 
 // One request as the passes see it.
 typedef struct {
@@ -184,6 +195,113 @@ static inline void prefetch_row(const char* row, int64_t num_bytes) {
     for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(row + offset);
 }
 
+#if defined(__AVX512BF16__)
+// bf16 fast path, taken for a bf16 cache and bf16 queries (exact in float32, so rounding them
+// back to bf16 loses nothing) when head_dim % 32 == 0 and block_size % 16 == 0. Scores come 16
+// keys at a time from bf16 dot products (vdpbf16ps: exact products, float32 sums), the 16
+// vectors of partial sums reduced together; values are widened to float32 once per block and
+// KV head, then shared by every query row of the head's group.
+#define FAST_KEYS 16
+
+// p[j] -> lane j of the result: the sum of p[j]'s lanes (a transposed reduction: 15 adds and
+// 31 shuffles for 16 sums, where one reduction each would take 8 dependent steps apiece).
+static inline __m512 sum_each_of_16(const __m512 p[FAST_KEYS]) {
+    __m512 r[8], s[4];
+    for (int i = 0; i < 8; ++i)  // lanes 0-7: key i, lanes 8-15: key i + 8
+        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[i], p[i + 8], 0x44),
+                             _mm512_shuffle_f32x4(p[i], p[i + 8], 0xEE));
+    for (int i = 0; i < 4; ++i)  // 128-bit chunks: keys i, i + 8, i + 4, i + 12
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[i], r[i + 4], 0x88),
+                             _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD));
+    const __m512 u0 =
+        _mm512_add_ps(_mm512_unpacklo_ps(s[0], s[1]), _mm512_unpackhi_ps(s[0], s[1]));
+    const __m512 u1 =
+        _mm512_add_ps(_mm512_unpacklo_ps(s[2], s[3]), _mm512_unpackhi_ps(s[2], s[3]));
+    // chunks hold keys 0-3, 8-11, 4-7, 12-15; the last shuffle puts them in order
+    const __m512 v =
+        _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xEE));
+    return _mm512_shuffle_f32x4(v, v, 0xD8);
+}
+
+// Scaled scores of query row `row` (bf16, q16) against keys key0..key0+n-1 (n <= 16), whose
+// head rows start at k, token_stride elements apart. Rows up to key0 + 16 must be readable
+// (they are, inside one block); lanes past n are computed and dropped.
+static inline void score_16_keys(const uint16_t* q16, const uint16_t* k, int64_t token_stride,
+                                 int32_t head_dim, int32_t n, float scale, float* out) {
+    __m512 part[FAST_KEYS];
+    for (int j = 0; j < FAST_KEYS; ++j) part[j] = _mm512_setzero_ps();
+    for (int32_t c = 0; c < head_dim; c += 32) {
+        const __m512bh q = (__m512bh)_mm512_loadu_si512(q16 + c);
+        for (int j = 0; j < FAST_KEYS; ++j)
+            part[j] = _mm512_dpbf16_ps(
+                part[j], q, (__m512bh)_mm512_loadu_si512(k + j * token_stride + c));
+    }
+    const __m512 sums = _mm512_mul_ps(sum_each_of_16(part), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), sums);
+}
+
+// score_block for the fast path: the item's score rows against keys start..end-1 of one block.
+static inline void score_block_bf16(const Problem* p, const Request* r, const uint16_t* k,
+                                    const char* next, int32_t start, int32_t end,
+                                    int32_t head_dim, const uint16_t* q16, float* scores) {
+    if (next != NULL) {
+        const int64_t row_bytes = r->token_stride * 2;
+        for (int32_t key = start; key < end; ++key)
+            prefetch_row(next + (key - start) * row_bytes + r->kv_head_begin * head_dim * 2,
+                         (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim * 2);
+    }
+    for (int32_t key0 = start; key0 < end; key0 += FAST_KEYS) {
+        const int32_t n = MIN(FAST_KEYS, end - key0);
+        const uint16_t* k0 = k + (int64_t)(key0 - start) * r->token_stride;
+        const int32_t first_token = key0 > r->context ? key0 - r->context : 0;
+        for (int32_t t = first_token; t < r->q_len; ++t) {
+            int64_t row = (int64_t)t * p->num_q_heads + (int64_t)r->kv_head_begin * r->group;
+            for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head)
+                for (int32_t g = 0; g < r->group; ++g, ++row)
+                    score_16_keys(q16 + row * head_dim, k0 + (int64_t)kv_head * head_dim,
+                                  r->token_stride, head_dim, n, p->scale,
+                                  scores + row * r->seq_len + key0);
+        }
+    }
+}
+
+// value_block for the fast path; `widened` holds block_size * head_dim floats.
+static inline void value_block_bf16(const Problem* p, const Request* r, const uint16_t* v,
+                                    int32_t start, int32_t end, int32_t head_dim,
+                                    const float* scores, float* widened) {
+    const int32_t num_q_heads = p->num_q_heads;
+    const int32_t first_token = start > r->context ? start - r->context : 0;
+    if (first_token >= r->q_len) return;
+    for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head) {
+        for (int32_t key = start; key < end; ++key) {
+            const uint16_t* row = v + (int64_t)(key - start) * r->token_stride +
+                                  (int64_t)kv_head * head_dim;
+            float* dst = widened + (int64_t)(key - start) * head_dim;
+            for (int32_t d = 0; d < head_dim; d += 16) {
+                const __m256i half = _mm256_loadu_si256((const __m256i*)(row + d));
+                _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(
+                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+            }
+        }
+        for (int32_t t = first_token; t < r->q_len; ++t) {
+            const int32_t visible_end = MIN(end, r->context + t + 1);
+            int64_t row = (int64_t)t * num_q_heads + (int64_t)kv_head * r->group;
+            for (int32_t g = 0; g < r->group; ++g, ++row)
+                add_weighted_sum(r->out + row * head_dim, widened, head_dim,
+                                 scores + row * r->seq_len + start, visible_end - start,
+                                 head_dim);
+        }
+    }
+}
+
+// The request's query rows (float32 holding bf16 values) as bf16, exactly.
+static inline void query_to_bf16(const float* query, int64_t num_floats, uint16_t* q16) {
+    for (int64_t i = 0; i < num_floats; i += 16)
+        _mm256_storeu_si256((__m256i*)(q16 + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(query + i)));
+}
+#endif
+
 // Score rows t * H_q + head, `seq_len` floats apart: the scaled dot products of the item's
 // query rows with the keys of one block, start..end-1. Token `key - start` of the next block
 // (`next`, or NULL) is prefetched alongside.
@@ -265,7 +383,8 @@ static inline void value_block(const Problem* p, const Request* r, const char* v
 // q_len * H_q * seq_len floats; `elem` is the cache's element size (4: float32, 2: bf16).
 static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head_begin,
                                   int32_t kv_head_end, int32_t head_dim, int32_t elem,
-                                  float* scores) {
+                                  const Scratch* scratch) {
+    float* scores = scratch->scores;
     const int32_t q_begin = p->query_start[req];
     Request r = {
         .blocks = p->block_table + (int64_t)req * p->block_table_stride,
@@ -280,11 +399,22 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
     };
     r.context = r.seq_len - r.q_len;
     const int32_t block_size = p->block_size;
+#if defined(__AVX512BF16__)
+    if (p->fast_bf16)
+        query_to_bf16(r.query, (int64_t)r.q_len * p->num_q_heads * head_dim, scratch->query_bf16);
+#endif
     for (int32_t start = 0; start < r.seq_len; start += block_size) {
         const int32_t end = MIN(start + block_size, r.seq_len);
         const char* next = end < r.seq_len ? block_rows(p, &r, p->key_cache, end, elem) : NULL;
-        score_block(p, &r, block_rows(p, &r, p->key_cache, start, elem), next, start, end,
-                    head_dim, elem, scores);
+        const char* k = block_rows(p, &r, p->key_cache, start, elem);
+#if defined(__AVX512BF16__)
+        if (p->fast_bf16) {
+            score_block_bf16(p, &r, (const uint16_t*)k, next, start, end, head_dim,
+                             scratch->query_bf16, scores);
+            continue;
+        }
+#endif
+        score_block(p, &r, k, next, start, end, head_dim, elem, scores);
     }
     softmax_rows(p, &r, scores);
     const int64_t num_floats = (int64_t)(kv_head_end - kv_head_begin) * r.group * head_dim;
@@ -296,50 +426,97 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
         const int32_t end = MIN(start + block_size, r.seq_len);
         const char* next =
             end < r.seq_len ? block_rows(p, &r, p->value_cache, end, elem) : NULL;
-        value_block(p, &r, block_rows(p, &r, p->value_cache, start, elem), next, start, end,
-                    head_dim, elem, scores);
+        const char* v = block_rows(p, &r, p->value_cache, start, elem);
+#if defined(__AVX512BF16__)
+        if (p->fast_bf16) {
+            if (next != NULL) prefetch_row(next, (int64_t)(end - start) * r.token_stride * 2);
+            value_block_bf16(p, &r, (const uint16_t*)v, start, end, head_dim, scores,
+                             scratch->widened_values);
+            continue;
+        }
+#endif
+        value_block(p, &r, v, next, start, end, head_dim, elem, scores);
     }
 }
 
 // Head sizes known at compile time get fully unrolled loops; each element type its own code.
 static inline void attend_typed(const Problem* p, int32_t req, int32_t kv_head_begin,
                                 int32_t kv_head_end, int32_t head_dim, int32_t elem,
-                                float* scores) {
+                                const Scratch* scratch) {
     switch (head_dim) {
-        case 64: attend_request(p, req, kv_head_begin, kv_head_end, 64, elem, scores); break;
-        case 128: attend_request(p, req, kv_head_begin, kv_head_end, 128, elem, scores); break;
-        default: attend_request(p, req, kv_head_begin, kv_head_end, head_dim, elem, scores);
+        case 64: attend_request(p, req, kv_head_begin, kv_head_end, 64, elem, scratch); break;
+        case 128: attend_request(p, req, kv_head_begin, kv_head_end, 128, elem, scratch); break;
+        default: attend_request(p, req, kv_head_begin, kv_head_end, head_dim, elem, scratch);
     }
 }
 
 static inline void attend(const Problem* p, int32_t req, int32_t kv_head_begin,
                           int32_t kv_head_end, int32_t head_dim, int32_t cache_is_bf16,
-                          float* scores) {
+                          const Scratch* scratch) {
     if (cache_is_bf16)
-        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 2, scores);
+        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 2, scratch);
     else
-        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 4, scores);
+        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 4, scratch);
 }
 
 // The head_dim the vector paths need a multiple of (the caller checks before calling).
 int paged_attention_vector_floats(void) { return VECTOR_FLOATS; }
 
+// Whether the bf16 fast path applies: compiled with AVX512_BF16, a bf16 cache, queries that
+// hold bf16 values, head_dim a multiple of 32 and blocks a multiple of 16 tokens.
+static int use_fast_bf16(int32_t cache_is_bf16, int32_t query_is_bf16, int32_t head_dim,
+                         int32_t block_size) {
+#if defined(__AVX512BF16__)
+    return cache_is_bf16 && query_is_bf16 && head_dim % 32 == 0 && block_size % FAST_KEYS == 0;
+#else
+    (void)cache_is_bf16, (void)query_is_bf16, (void)head_dim, (void)block_size;
+    return 0;
+#endif
+}
+
+// Whether this build has the bf16 fast path (AVX512_BF16).
+int paged_attention_bf16_fast_path(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int32_t max_query_len(const int32_t* query_start, const int32_t* requests,
+                             int32_t num_requests) {
+    int32_t longest = 0;
+    for (int32_t i = 0; i < num_requests; ++i) {
+        const int32_t q_len = query_start[requests[i] + 1] - query_start[requests[i]];
+        longest = q_len > longest ? q_len : longest;
+    }
+    return longest;
+}
+
 // Attends the requests listed in `requests` (indices into seq_lens / query_start); other
-// rows of `out` are left untouched. The cache holds float32, or bf16 when `cache_is_bf16`. `max_rows_x_len` bounds q_len * num_q_heads * seq_len over
-// the listed requests (the scratch each thread allocates for its scores). Returns 0, or -1
-// when that allocation failed.
+// rows of `out` are left untouched. The cache holds float32, or bf16 when `cache_is_bf16`;
+// `query_is_bf16` says the float32 queries hold bf16 values (a bf16 model's), which lets the
+// bf16 fast path run. `max_rows_x_len` bounds q_len * num_q_heads * seq_len over the listed
+// requests (the scratch each thread allocates for its scores). Returns 0, or -1 when an
+// allocation failed.
 int paged_attention(const float* query, const void* kv_cache, int32_t cache_is_bf16,
-                    const int32_t* block_table, int64_t block_table_stride,
-                    const int32_t* seq_lens, const int32_t* query_start, const int32_t* requests,
-                    int32_t num_requests, int64_t num_cache_blocks, int32_t block_size,
-                    int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, float scale,
-                    int64_t max_rows_x_len, float* out, int32_t num_threads) {
+                    int32_t query_is_bf16, const int32_t* block_table,
+                    int64_t block_table_stride, const int32_t* seq_lens,
+                    const int32_t* query_start, const int32_t* requests, int32_t num_requests,
+                    int64_t num_cache_blocks, int32_t block_size, int32_t num_q_heads,
+                    int32_t num_kv_heads, int32_t head_dim, float scale, int64_t max_rows_x_len,
+                    float* out, int32_t num_threads) {
     const int64_t elem = cache_is_bf16 ? 2 : 4;
     const int64_t half_bytes = num_cache_blocks * block_size * num_kv_heads * head_dim * elem;
     const char* keys = (const char*)kv_cache;
-    const Problem problem = {query,      keys,        keys + half_bytes, block_table,
-                             seq_lens,   query_start, out,               block_table_stride,
-                             block_size, num_q_heads, num_kv_heads,      scale};
+    const int32_t fast = use_fast_bf16(cache_is_bf16, query_is_bf16, head_dim, block_size);
+    const Problem problem = {query,       keys,         keys + half_bytes, block_table,
+                             seq_lens,    query_start,  out,               block_table_stride,
+                             block_size,  num_q_heads,  num_kv_heads,      scale,
+                             fast};
+    const int64_t query_elements =
+        fast ? (int64_t)max_query_len(query_start, requests, num_requests) * num_q_heads * head_dim
+             : 0;
     // A work item is a request, or with fewer requests than threads one KV head of one (a
     // single long decode would otherwise run on one thread).
     const int32_t split = num_threads > 1 && num_requests < num_threads ? num_kv_heads : 1;
@@ -347,20 +524,28 @@ int paged_attention(const float* query, const void* kv_cache, int32_t cache_is_b
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
-        float* scores = malloc(sizeof(float) * (max_rows_x_len > 0 ? max_rows_x_len : 1));
-        if (scores == NULL) {
+        const Scratch scratch = {
+            malloc(sizeof(float) * (max_rows_x_len > 0 ? max_rows_x_len : 1)),
+            fast ? malloc(sizeof(uint16_t) * (query_elements > 0 ? query_elements : 1)) : NULL,
+            fast ? malloc(sizeof(float) * block_size * head_dim) : NULL,
+        };
+        const int ok = scratch.scores != NULL &&
+                       (!fast || (scratch.query_bf16 != NULL && scratch.widened_values != NULL));
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
-            if (scores == NULL) continue;
+            if (!ok) continue;
             const int32_t begin = split == 1 ? 0 : (int32_t)(item % split);
             const int32_t end = split == 1 ? num_kv_heads : begin + 1;
             attend(&problem, requests[item / split], begin, end, head_dim, cache_is_bf16,
-                   scores);
+                   &scratch);
         }
-        free(scores);
+        free(scratch.scores);
+        free(scratch.query_bf16);
+        free(scratch.widened_values);
     }
     return failed ? -1 : 0;
 }

@@ -114,7 +114,9 @@ def test_long_context_decode_matches_naive():
 
 def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa():
     case = make_case([10, 30, 40, 8], [1, 16, 17, 0], 4, 2, 64)
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache)
+    limit = cpu_backend._query_limit(cpu_kernel_loader.load(), case.query.dtype, case.kv_cache)
+    assert limit == cpu_backend.SHORT_QUERY_MAX_TOKENS
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, limit)
     assert plan.short_requests.tolist() == [0, 1]
     assert plan.max_query_x_seq_len == 16 * 30
     assert [(r.q_start, r.q_end, r.seq_len) for r in plan.long_requests] == [(17, 34, 40)]
@@ -124,7 +126,7 @@ def test_kernel_alone_handles_queries_beyond_the_short_limit(monkeypatch):
     """The kernel is exact for any query length; the limit is a speed choice only."""
     monkeypatch.setattr(cpu_backend, "SHORT_QUERY_MAX_TOKENS", 10**6)
     case = make_case([40, 33, 17], [40, 9, 17], 6, 2, 64, seed=3)
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache)
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 10**6)
     assert plan.long_requests == []
     assert_matches_naive(case, run_backend(case))
 
@@ -186,6 +188,59 @@ def test_bfloat16_cache_runs_the_kernel_and_matches_naive(seq_lens, q_lens):
     expected = torch_reference.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
     real = slice(0, case.num_real_tokens)
     torch.testing.assert_close(out[real].float(), expected[real].float(), atol=ATOL_BF16, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "group"),
+    [
+        pytest.param(16, 64, 3, id="smollm2-shape"),
+        pytest.param(32, 128, 4, id="block-32-dim-128"),
+        pytest.param(48, 96, 1, id="block-48-dim-96"),
+        pytest.param(16, 320, 2, id="dim-320-beyond-the-register-path"),
+        pytest.param(8, 64, 2, id="block-8-no-fast-path"),
+        pytest.param(16, 48, 2, id="dim-48-no-fast-path"),
+    ],
+)
+def test_bfloat16_fast_path_shapes_match_naive(monkeypatch, block_size, head_dim, group):
+    """Every query length through the kernel (decodes, chunks, whole prompts), keys ending
+    at every offset of a 16-key group, NaN in every slot the batch does not own."""
+    monkeypatch.setattr(cpu_backend, "SHORT_QUERY_MAX_TOKENS", 10**6)
+    seq_lens = [1, 15, 16, 17, 31, 33, 100, 64]
+    q_lens = [1, 1, 16, 3, 31, 1, 40, 64]
+    case = make_case(
+        seq_lens, q_lens, 2 * group, 2, head_dim, block_size, torch.bfloat16,
+        num_padding_tokens=2, seed=block_size + head_dim,
+    )  # fmt: skip
+    out = run_backend(case)
+    assert torch.isnan(case.kv_cache).any(), "the case must really be poisoned"
+    assert_matches_naive(case, out, atol=ATOL_BF16)
+
+
+def test_bfloat16_fast_path_takes_queries_up_to_its_own_limit():
+    library = cpu_kernel_loader.load()
+    if not library.paged_attention_bf16_fast_path():
+        pytest.skip("this CPU has no AVX512_BF16: the bf16 cache uses the general kernel")
+    limit = cpu_backend.FAST_BF16_QUERY_MAX_TOKENS
+    case = make_case([700, 600, 30], [limit + 1, limit, 1], 6, 2, 64, dtype=torch.bfloat16)
+    assert cpu_backend._query_limit(library, torch.bfloat16, case.kv_cache) == limit
+    assert cpu_backend._query_limit(library, torch.float32, case.kv_cache) < limit
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, limit)
+    assert plan.short_requests.tolist() == [1, 2]
+    assert [r.seq_len for r in plan.long_requests] == [700]
+    assert_matches_naive(case, run_backend(case), atol=ATOL_BF16)
+
+
+def test_float32_query_over_a_bfloat16_cache_is_not_rounded():
+    """The fast path rounds queries to bf16, so it must only see queries that were bf16:
+    a float32 query keeps its low bits, and the result matches naive attention in float32."""
+    case = make_case([40, 17], [1, 5], 6, 2, 64, dtype=torch.bfloat16, seed=9)
+    query32 = case.query.float() + 1e-3 * torch.randn(case.query.shape)
+    cpu_backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    out = cpu_backend.paged_attention(query32, case.kv_cache, case.metadata, case.scale)
+    assert out.dtype == torch.float32
+    expected = torch_reference.paged_attention(query32, case.kv_cache, case.metadata, case.scale)
+    real = slice(0, case.num_real_tokens)
+    torch.testing.assert_close(out[real], expected[real], atol=ATOL_FP32, rtol=0)
 
 
 def test_float16_cache_runs_the_reference():
