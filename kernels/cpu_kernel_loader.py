@@ -1,8 +1,8 @@
 """Builds the C kernels of the CPU worker with the system compiler, once per machine.
 
 One shared library holds them all: paged attention (`cpu_paged_attention.c`), the fused
-elementwise ops of a decoder layer (`cpu_fused_ops.c`) and the bf16 matmul with float32
-output of the LM head (`cpu_bf16_matmul.c`). It is compiled with `-march=native`,
+elementwise ops of a decoder layer (`cpu_fused_ops.c`) and the bf16 matmul of a bf16
+model's linears and LM head (`cpu_bf16_matmul.c`). It is compiled with `-march=native`,
 so it is cached under a key made of the sources' text, the compile command, the compiler's
 version and this CPU's model and flags:
 a cache directory shared by different machines never hands one a library built for another.
@@ -192,8 +192,10 @@ def _declare(library: ctypes.CDLL) -> None:
     # x, out, bf16, rows, width, num_threads
     _signature(library.silu_and_mul, [pointer, pointer, i32, i64, i64, i32])
     _signature(library.bf16_matmul_tile_columns, [], ctypes.c_int)
-    # x, packed, out, rows, k, padded_columns, num_threads
-    _signature(library.bf16_matmul_f32_out, [pointer, pointer, pointer, i64, i64, i64, i32])
+    # x, packed, bias, out, out_bf16, rows, k, padded_columns, num_columns, num_threads
+    _signature(
+        library.bf16_matmul, [pointer, pointer, pointer, pointer, i32, i64, i64, i64, i64, i32]
+    )
 
 
 def _signature(function, argtypes: list, restype=None) -> None:

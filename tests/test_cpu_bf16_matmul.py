@@ -1,18 +1,22 @@
-"""The bf16 x bf16 -> float32 matmul kernel of the CPU LM head, against float64.
+"""The bf16 x bf16 matmul kernel of the CPU worker (bf16 linears, float32 LM head) against
+float64.
 
-Products of bf16 values are exact in float32 and the kernel sums in float32, so it agrees
-with a float64 matmul of the same bf16 operands to float32 summation error (about
-sqrt(k) * 2^-24 of the sum of |products|), far below one bf16 step of the result.
+Products of bf16 values are exact in float32 and the kernel sums in float32, so its float32
+output agrees with a float64 matmul of the same bf16 operands to float32 summation error
+(about sqrt(k) * 2^-24 of the sum of |products|), and its bf16 output is that float32 result
+rounded once, to nearest even.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_kernel_loader
 from kernels.cpu_bf16_matmul import Bf16MatmulWeight
-from worker.layers import ParallelLMHead
+from worker.cpu_linear import pack_linears
+from worker.layers import ColumnParallelLinear, ParallelLMHead
 
 library = cpu_kernel_loader.load()
 pytestmark = pytest.mark.skipif(
@@ -25,18 +29,20 @@ def bf16_randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-def assert_float32_sums(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+def assert_float32_sums(out, x, weight, bias=None) -> None:
     expected = x.double() @ weight.double().T
     bound = (x.double().abs() @ weight.double().abs().T) * 1e-6 + 1e-6
+    if bias is not None:
+        expected = expected + bias.double()
     assert out.dtype == torch.float32 and out.shape == expected.shape
     assert bool(((out.double() - expected).abs() <= bound).all())
 
 
-# Rows 1..13 cover every row tail of the 6-row tiles; 70 and 200 columns pad the last tile.
+# Rows 1..13 cover every row tail of the 6-row tiles; 70 and 200 columns end inside a tile.
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13])
 @pytest.mark.parametrize(("columns", "k"), [(64, 2), (70, 576), (200, 30)])
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_matches_float64_for_every_tail(rows, columns, k, num_threads):
+def test_float32_output_matches_float64_for_every_tail(rows, columns, k, num_threads):
     weight = bf16_randn(columns, k, seed=columns)
     x = bf16_randn(rows, k, seed=rows)
     packed = Bf16MatmulWeight.pack(weight)
@@ -44,16 +50,30 @@ def test_matches_float64_for_every_tail(rows, columns, k, num_threads):
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        out = packed.matmul(x)
+        out = packed.matmul(x, out_dtype=torch.float32)
     finally:
         torch.set_num_threads(previous)
+    assert out.is_contiguous()
     assert_float32_sums(out, x, weight)
+
+
+@pytest.mark.parametrize("columns", [64, 100])
+def test_bf16_output_is_the_float32_result_rounded_once_with_bias(columns):
+    weight, x = bf16_randn(columns, 48, seed=1), bf16_randn(2, 3, 48, seed=2)
+    bias = torch.randn(columns)
+    packed = Bf16MatmulWeight.pack(weight)
+    exact = packed.matmul(x, bias, torch.float32)
+    assert_float32_sums(exact.view(6, columns), x.view(6, 48), weight, bias)
+    out = packed.matmul(x, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, columns)
+    assert torch.equal(out, exact.bfloat16())
 
 
 def test_float32_input_is_rounded_to_bf16_first():
     weight = bf16_randn(64, 8, seed=0)
     x = torch.randn(3, 8)
-    assert_float32_sums(Bf16MatmulWeight.pack(weight).matmul(x), x.bfloat16(), weight)
+    out = Bf16MatmulWeight.pack(weight).matmul(x, out_dtype=torch.float32)
+    assert_float32_sums(out, x.bfloat16(), weight)
 
 
 def test_what_the_kernel_cannot_take_is_refused():
@@ -61,8 +81,10 @@ def test_what_the_kernel_cannot_take_is_refused():
     assert Bf16MatmulWeight.pack(bf16_randn(64, 7, seed=0)) is None  # odd k
     assert Bf16MatmulWeight.pack(bf16_randn(64, seed=0)) is None  # not a matrix
     packed = Bf16MatmulWeight.pack(bf16_randn(64, 8, seed=0))
-    with pytest.raises(ValueError, match=r"\[M, 8\]"):
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
         packed.matmul(torch.randn(2, 6))
+    with pytest.raises(ValueError, match="float16"):
+        packed.matmul(torch.randn(2, 8), out_dtype=torch.float16)
 
 
 def test_disabled_kernels_leave_the_weight_to_torch():
@@ -71,6 +93,20 @@ def test_disabled_kernels_leave_the_weight_to_torch():
         assert Bf16MatmulWeight.pack(bf16_randn(64, 8, seed=0)) is None
     finally:
         cpu_kernel_loader.set_enabled(True)
+
+
+def test_bf16_linears_run_on_the_kernel_and_round_like_torch():
+    layer = ColumnParallelLinear(40, 72, bias=True)
+    layer.weight.data, layer.bias.data = bf16_randn(72, 40, seed=5), bf16_randn(72, seed=6)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    assert pack_linears(layer) == 1
+    assert layer.bf16_weight is not None and layer.packed_weight is None and layer.weight is None
+    x = bf16_randn(11, 40, seed=7)
+    out = layer(x)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    assert out.dtype == torch.bfloat16
+    # one rounding of a float32 sum: within half a bf16 step (2^-8 relative) plus float32 error
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-5)
 
 
 def test_bf16_lm_head_gives_float32_logits_from_the_kernel():

@@ -71,7 +71,7 @@ def test_bf16_model_gets_a_float32_lm_head_and_bf16_linears_only_where_onednn_ru
     x = torch.randn(3, 16).to(torch.bfloat16)
     expected = x.float() @ model.lm_head.weight.float().T
     torch.testing.assert_close(model.lm_head.compute_logits(x), expected, atol=1e-4, rtol=1e-5)
-    assert (model.up.packed_weight is not None) == bf16_native
+    assert model.up.is_packed == bf16_native
     assert model.up(x).dtype == torch.bfloat16
 
 

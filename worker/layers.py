@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_fused_ops
-from kernels.cpu_bf16_matmul import Bf16MatmulWeight
 from worker.cpu_linear import PackableLinear
 from worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_all_reduce
 
@@ -407,28 +406,16 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     Packed for a CPU, it computes float32 logits whatever the model's dtype: bf16 logits are
     rounded to steps of 1/16 to 1/8 at typical magnitudes, enough to flip greedy choices
     (tests/test_bf16_accuracy.py: 65% -> 80% of prompts matching float32 from this alone).
-    A bf16 weight on a CPU with AVX512_BF16 goes to `kernels.cpu_bf16_matmul` (bf16 operands,
-    float32 sums and output: the float32 result at bf16 speed); any other is packed for
+    A bf16 weight on a CPU with AVX512_BF16 runs on `kernels.cpu_bf16_matmul` with float32
+    output (the float32 logits of the bf16 operands, at bf16 speed); any other is packed for
     oneDNN in float32.
     """
 
     packed_dtype = torch.float32
-    bf16_weight: Bf16MatmulWeight | None = None
-
-    def pack(self, keep_dense_weight: bool) -> bool:
-        if self.bf16_weight is None:
-            self.bf16_weight = Bf16MatmulWeight.pack(self.weight)
-        if self.bf16_weight is None:
-            return super().pack(keep_dense_weight)
-        if not keep_dense_weight:
-            self.weight = None
-        return True
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab_size] (gathered on every rank)."""
-        if self.bf16_weight is not None:
-            logits = self.bf16_weight.matmul(hidden_states)
-        elif self.packed_weight is not None:
+        if self.is_packed:
             logits = self.matmul(hidden_states, None)
         elif hidden_states.device.type == "cpu":
             logits = _linear_in_row_slices(hidden_states, self.weight, CPU_LOGITS_ROWS_PER_MATMUL)
