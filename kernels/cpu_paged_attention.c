@@ -223,6 +223,22 @@ static inline __m512 sum_each_of_16(const __m512 p[FAST_KEYS]) {
     return _mm512_shuffle_f32x4(v, v, 0xD8);
 }
 
+// Two regions of `num_bytes` each (either may be NULL), prefetched a few lines at a time.
+typedef struct {
+    const char* first;
+    const char* second;
+    int64_t num_bytes;
+    int64_t done;  // bytes of first, then of second, already prefetched
+} Prefetcher;
+
+static inline void prefetch_some(Prefetcher* f, int64_t num_lines) {
+    for (; num_lines > 0 && f->done < 2 * f->num_bytes; --num_lines, f->done += 64) {
+        const int in_first = f->done < f->num_bytes;
+        const char* base = in_first ? f->first : f->second;
+        if (base != NULL) __builtin_prefetch(base + f->done - (in_first ? 0 : f->num_bytes));
+    }
+}
+
 // Scaled scores of query row `row` (bf16, q16) against keys key0..key0+n-1 (n <= 16), whose
 // head rows start at k, token_stride elements apart. Rows up to key0 + 16 must be readable
 // (they are, inside one block); lanes past n are computed and dropped.
@@ -242,14 +258,19 @@ static inline void score_16_keys(const uint16_t* q16, const uint16_t* k, int64_t
 
 // score_block for the fast path: the item's score rows against keys start..end-1 of one block.
 static inline void score_block_bf16(const Problem* p, const Request* r, const uint16_t* k,
-                                    const char* next, int32_t start, int32_t end,
-                                    int32_t head_dim, const uint16_t* q16, float* scores) {
-    if (next != NULL) {
-        const int64_t row_bytes = r->token_stride * 2;
-        for (int32_t key = start; key < end; ++key)
-            prefetch_row(next + (key - start) * row_bytes + r->kv_head_begin * head_dim * 2,
-                         (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim * 2);
-    }
+                                    const char* next_keys, const char* values, int32_t start,
+                                    int32_t end, int32_t head_dim, const uint16_t* q16,
+                                    float* scores) {
+    // Decoding waits on memory: the next block's keys and this block's values (for the value
+    // pass) are prefetched a few lines before each group of dot products, so the loads
+    // overlap the arithmetic instead of queueing up in one burst.
+    const int64_t block_bytes = (int64_t)(end - start) * r->token_stride * 2;
+    Prefetcher prefetcher = {next_keys, values, block_bytes, 0};
+    const int32_t first_token_of_block = start > r->context ? start - r->context : 0;
+    const int64_t num_calls = (int64_t)(r->q_len - first_token_of_block) *
+                              (r->kv_head_end - r->kv_head_begin) * r->group;
+    const int64_t lines_per_call =
+        num_calls > 0 ? (2 * block_bytes / 64 + num_calls - 1) / num_calls : 0;
     for (int32_t key0 = start; key0 < end; key0 += FAST_KEYS) {
         const int32_t n = MIN(FAST_KEYS, end - key0);
         const uint16_t* k0 = k + (int64_t)(key0 - start) * r->token_stride;
@@ -257,12 +278,15 @@ static inline void score_block_bf16(const Problem* p, const Request* r, const ui
         for (int32_t t = first_token; t < r->q_len; ++t) {
             int64_t row = (int64_t)t * p->num_q_heads + (int64_t)r->kv_head_begin * r->group;
             for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head)
-                for (int32_t g = 0; g < r->group; ++g, ++row)
+                for (int32_t g = 0; g < r->group; ++g, ++row) {
+                    prefetch_some(&prefetcher, lines_per_call);
                     score_16_keys(q16 + row * head_dim, k0 + (int64_t)kv_head * head_dim,
                                   r->token_stride, head_dim, n, p->scale,
                                   scores + row * r->seq_len + key0);
+                }
         }
     }
+    prefetch_some(&prefetcher, 2 * block_bytes / 64);  // whatever is left
 }
 
 // value_block for the fast path; `widened` holds block_size * head_dim floats.
@@ -409,8 +433,9 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
         const char* k = block_rows(p, &r, p->key_cache, start, elem);
 #if defined(__AVX512BF16__)
         if (p->fast_bf16) {
-            score_block_bf16(p, &r, (const uint16_t*)k, next, start, end, head_dim,
-                             scratch->query_bf16, scores);
+            score_block_bf16(p, &r, (const uint16_t*)k, next,
+                             block_rows(p, &r, p->value_cache, start, elem), start, end,
+                             head_dim, scratch->query_bf16, scores);
             continue;
         }
 #endif
@@ -429,7 +454,6 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
         const char* v = block_rows(p, &r, p->value_cache, start, elem);
 #if defined(__AVX512BF16__)
         if (p->fast_bf16) {
-            if (next != NULL) prefetch_row(next, (int64_t)(end - start) * r.token_stride * 2);
             value_block_bf16(p, &r, (const uint16_t*)v, start, end, head_dim, scores,
                              scratch->widened_values);
             continue;
