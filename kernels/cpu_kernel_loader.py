@@ -60,10 +60,9 @@ def set_enabled(enabled: bool) -> None:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library with its argument types set, or None when turned off or
-    unavailable (logged once)."""
-    if not _enabled or os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    return _load_once()
+    unavailable (logged once). Called per op, so it reads only a flag and a cache; the
+    environment switch is read at the first load (and again after `forget_loaded`)."""
+    return _load_once() if _enabled else None
 
 
 def forget_loaded() -> None:
@@ -73,6 +72,8 @@ def forget_loaded() -> None:
 
 @functools.cache
 def _load_once() -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler (cc/gcc/$CC): the CPU worker runs torch ops only")

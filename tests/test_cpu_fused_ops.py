@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_fused_ops, cpu_kernel_loader
-from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, apply_rotary_qk
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -115,6 +115,30 @@ def test_rotary_in_place_on_a_fused_qkv_view_matches_float64(
         assert_close_to(out, expected, dtype)
     v_start = (q_heads + kv_heads) * head_dim
     assert torch.equal(qkv[:, v_start:], original[:, v_start:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_of_q_and_k_in_one_call_matches_two(kernels_enabled, dtype):
+    """q and k side by side in a qkv row take one call; q and k of their own take two."""
+    tokens, q_heads, kv_heads, head_dim = 5, 4, 2, 64
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None)(torch.arange(tokens) * 7)
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=torch.Generator().manual_seed(0))
+    qkv = qkv.to(dtype)
+    original = qkv.clone()
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.reshape(tokens, q_heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    expected_q, expected_k = apply_rotary(q.clone(), cos, sin), apply_rotary(k.clone(), cos, sin)
+    out_q, out_k = apply_rotary_qk(q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+    assert torch.equal(qkv[:, q_size + kv_size :], original[:, q_size + kv_size :])
+    # separate tensors: two calls; rotating back by the opposite angles restores q and k
+    back_q, back_k = apply_rotary_qk(out_q.clone(), out_k.clone(), cos, -sin)
+    round_trip_atol = 2**-5 if dtype == torch.bfloat16 else 1e-5  # two bf16 roundings of |x| < 8
+    for back, start, heads in ((back_q, 0, q_heads), (back_k, q_size, kv_heads)):
+        before = original[:, start : start + heads * head_dim].view(tokens, heads, head_dim)
+        torch.testing.assert_close(back.float(), before.float(), atol=round_trip_atol, rtol=0)
 
 
 def test_rotary_refuses_bad_angles_and_strides(kernels_enabled):

@@ -183,6 +183,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` of q [T, H_q, D] and k [T, H_kv, D]; when k's heads directly follow q's
+    in each row (views of one fused qkv projection) and the C kernel runs, one in-place call
+    rotates both."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if (
+        k.data_ptr() == q.data_ptr() + num_q_heads * head_dim * q.element_size()
+        and k.dtype == q.dtype
+        and k.stride() == q.stride()
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
+        and cpu_fused_ops.supports(q)
+    ):
+        both = q.as_strided((num_tokens, num_q_heads + k.shape[1], head_dim), q.stride())
+        cpu_fused_ops.rotary_embedding_neox_(both, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 class SiluAndMul(nn.Module):
     """[..., 2 * I] -> silu(first half) * second half, [..., I] (gate, then up)."""
 

@@ -27,7 +27,7 @@ from worker.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
-    apply_rotary,
+    apply_rotary_qk,
     residual_dtype,
 )
 from worker.model_config import ModelConfig
@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, proj.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        q, k = apply_rotary_qk(q, k, *cos_sin)
         attn = write_kv_and_attend(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(attn.reshape(num_tokens, proj.q_size))
 
