@@ -56,26 +56,29 @@ class Bf16MatmulWeight:
         out_dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
         """x [..., k] (rounded to bf16 if it is not) -> x W^T + bias, [..., num_columns] in
-        `out_dtype` (bf16 or float32), summed in float32 and rounded once."""
+        `out_dtype` (bf16 or float32), summed in float32 and rounded once. Called for every
+        linear of every step, so a bf16 contiguous x goes straight to the kernel."""
         if x.shape[-1] != self.k:
             raise ValueError(f"bf16 matmul needs x of shape [..., {self.k}], got {tuple(x.shape)}")
         if out_dtype not in OUTPUT_DTYPES:
             raise ValueError(f"bf16 matmul outputs one of {OUTPUT_DTYPES}, not {out_dtype}")
-        leading = x.shape[:-1]
-        x = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        if not x.is_contiguous():
+            x = x.contiguous()
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()
-        out = torch.empty(x.shape[0], self.num_columns, dtype=out_dtype)
+        out = torch.empty((*x.shape[:-1], self.num_columns), dtype=out_dtype)
         cpu_kernel_loader.load().bf16_matmul(
             x.data_ptr(),
             self.packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             out_dtype == torch.bfloat16,
-            x.shape[0],
+            x.numel() // self.k,
             self.k,
             self.padded_columns,
             self.num_columns,
             torch.get_num_threads(),
         )
-        return out.view(*leading, self.num_columns)
+        return out
