@@ -50,6 +50,7 @@ from scripts.bench_common import (
 from scripts.bench_offline import FULL_SHAPE, QUICK_SHAPE, build_workloads
 from scripts.generate import load_worker, make_scheduler_config
 from worker import layers, model_runner, sampler
+from worker.host_allocator import keep_freed_memory
 from worker.models import llama
 
 PARTS = (
@@ -112,7 +113,7 @@ def instrument(timer: PartTimer) -> None:
     for owner, attribute in (
         (layers.RMSNorm, "forward"),
         (layers.RotaryEmbedding, "forward"),
-        (llama, "apply_rotary"),
+        (llama, "apply_rotary_qk"),
     ):
         timer.wrap(owner, attribute, PARTS[2])
     timer.wrap(layers.SiluAndMul, "forward", PARTS[3])
@@ -267,6 +268,7 @@ def make_requests(workload, block_size: int) -> list[Request]:
 def main() -> None:
     args = parse_args()
     machine = machine_info()
+    keep_freed_memory()  # the worker process's allocator settings (worker/__main__.py)
     config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, max_num_seqs=256)
     worker = load_worker(config)
     if args.threads > 0:

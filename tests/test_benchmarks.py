@@ -553,3 +553,18 @@ def test_bench_prefix_cache_quick(tmp_path):
     assert result["meets_hit_rate_target"], (on["hit_rate"], result["ideal_hit_rate"])
     assert on["hit_rate"] <= result["ideal_hit_rate"] + 1e-9  # never more than is shareable
     assert on["ttft_ms"]["p50"] < off["ttft_ms"]["p50"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_profile_step_quick_times_every_part(tmp_path):
+    """Every part has a timer that ran (a renamed layer function would leave it at zero)."""
+    result = run_quick("profile_step", tmp_path, "--name", "profile_step")
+    assert result["output_tokens"] > 0
+    for kind in ("decode", "prefill"):
+        summary = result["summary"][kind]
+        assert summary["num_steps"] > 0
+        parts = summary["parts_ms_per_step"]
+        for part in ("linears", "attention", "norms", "SiLU", "LM head", "sampling"):
+            (name,) = [name for name in parts if name.startswith(part)]
+            assert parts[name] > 0, f"{kind}: {name} was never timed"
