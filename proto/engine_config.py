@@ -164,7 +164,9 @@ FIELD_HELP = {
     "step_timeout_s": "seconds to wait for one step's result",
     "shutdown_timeout_s": "seconds to wait for a clean shutdown before killing",
     "max_frame_bytes": "largest accepted request frame",
-    "enforce_eager": "plain torch ops only: no C kernels compiled for CPU attention and fused ops",
+    "enforce_eager": (
+        "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"
+    ),
 }
 
 

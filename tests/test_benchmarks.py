@@ -568,3 +568,13 @@ def test_profile_step_quick_times_every_part(tmp_path):
         for part in ("linears", "attention", "norms", "SiLU", "LM head", "sampling"):
             (name,) = [name for name in parts if name.startswith(part)]
             assert parts[name] > 0, f"{kind}: {name} was never timed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_bench_linears_quick_times_every_way(tmp_path):
+    result = run_quick("bench_linears", tmp_path)
+    assert [row["rows"] for row in result["rows"]] == [1, 28]
+    for row in result["rows"]:
+        assert "torch int8 weight-only" in row["ms_per_pass"]
+        assert all(ms > 0 for ms in row["ms_per_pass"].values())
