@@ -190,9 +190,14 @@ static inline const char* block_rows(const Problem* p, const Request* r, const c
     return cache + (slot + start % p->block_size) * r->token_stride * elem;
 }
 
-// Hints that `num_bytes` from `row` will be read soon (GCC and Clang builtin).
+// Hints that `num_bytes` from `row` will be read soon (GCC and Clang builtin). Into L2 only
+// (locality 1): an L1 prefetch holds one of the core's few L1 miss slots until it lands, and
+// with those full the loads stall; L2 has several times more (decode attention over a 4 GiB
+// cache: 0.55 -> 0.38 ms per layer).
+static inline void prefetch_line(const char* address) { __builtin_prefetch(address, 0, 1); }
+
 static inline void prefetch_row(const char* row, int64_t num_bytes) {
-    for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(row + offset);
+    for (int64_t offset = 0; offset < num_bytes; offset += 64) prefetch_line(row + offset);
 }
 
 #if defined(__AVX512BF16__)
@@ -235,7 +240,7 @@ static inline void prefetch_some(Prefetcher* f, int64_t num_lines) {
     for (; num_lines > 0 && f->done < 2 * f->num_bytes; --num_lines, f->done += 64) {
         const int in_first = f->done < f->num_bytes;
         const char* base = in_first ? f->first : f->second;
-        if (base != NULL) __builtin_prefetch(base + f->done - (in_first ? 0 : f->num_bytes));
+        if (base != NULL) prefetch_line(base + f->done - (in_first ? 0 : f->num_bytes));
     }
 }
 
