@@ -12,6 +12,7 @@ must be a multiple of its vector width; other caches run wholly on the torch ref
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,44 @@ SHORT_QUERY_MAX_TOKENS = 16
 # score rows grow with q_len * seq_len.
 FAST_BF16_QUERY_MAX_TOKENS = 512
 
-reshape_and_cache = torch_reference.reshape_and_cache
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`torch_reference.reshape_and_cache` in one C call (no mask, no conversions, no
+    per-op dispatch) when key and value share the contiguous cache's dtype and each token's
+    heads are contiguous, as views of a fused qkv projection are."""
+    library = cpu_kernel_loader.load()
+    if library is None or not _writes_in_c(key, value, kv_cache, slot_mapping):
+        torch_reference.reshape_and_cache(key, value, kv_cache, slot_mapping)
+        return
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    element = kv_cache.element_size()
+    library.reshape_and_cache(
+        key.data_ptr(),
+        key.stride(0) * element,
+        value.data_ptr(),
+        value.stride(0) * element,
+        kv_cache.data_ptr(),
+        num_blocks * block_size * num_kv_heads * head_dim * element,
+        slot_mapping.data_ptr(),
+        key.shape[0],
+        num_kv_heads * head_dim * element,
+    )
+
+
+def _writes_in_c(key, value, kv_cache, slot_mapping) -> bool:
+    head_dim = kv_cache.shape[4]
+    return (
+        key.dtype == value.dtype == kv_cache.dtype
+        and kv_cache.device.type == key.device.type == value.device.type == "cpu"
+        and kv_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and key.shape == value.shape
+        and key.shape[1:] == kv_cache.shape[3:]
+        and key.stride()[1:] == value.stride()[1:] == (head_dim, 1)
+    )
 
 
 def is_available() -> bool:
@@ -83,14 +121,24 @@ def _kernel_supports(library: ctypes.CDLL, kv_cache: torch.Tensor) -> bool:
         kv_cache.dtype in (torch.float32, torch.bfloat16)
         and kv_cache.device.type == "cpu"
         and kv_cache.is_contiguous()
-        and head_dim % library.paged_attention_vector_floats() == 0
+        and head_dim % _library_traits(library)[0] == 0
+    )
+
+
+@functools.cache
+def _library_traits(library: ctypes.CDLL) -> tuple[int, bool]:
+    """(vector width in floats, whether the bf16 fast path is built), asked once per library
+    instead of at every layer."""
+    return (
+        library.paged_attention_vector_floats(),
+        bool(library.paged_attention_bf16_fast_path()),
     )
 
 
 def _query_limit(library: ctypes.CDLL, query_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
     """The longest query the kernel takes (longer ones go to SDPA); see the two limits above."""
     fast = (
-        library.paged_attention_bf16_fast_path()
+        _library_traits(library)[1]
         and query_dtype == kv_cache.dtype == torch.bfloat16
         and kv_cache.shape[4] % 32 == 0
         and kv_cache.shape[2] % 16 == 0

@@ -157,6 +157,10 @@ def _declare(library: ctypes.CDLL) -> None:
     pointer, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
     _signature(library.paged_attention_vector_floats, [], ctypes.c_int)
     _signature(library.paged_attention_bf16_fast_path, [], ctypes.c_int)
+    # key, key_stride, value, value_stride, kv_cache, half_bytes, slots, num_tokens, row_bytes
+    _signature(
+        library.reshape_and_cache, [pointer, i64, pointer, i64, pointer, i64, pointer, i64, i64]
+    )
     _signature(
         library.paged_attention,
         [

@@ -503,6 +503,20 @@ static int use_fast_bf16(int32_t cache_is_bf16, int32_t query_is_bf16, int32_t h
 #endif
 }
 
+// Writes each token's key and value rows (`row_bytes` each: its KV heads side by side) into
+// the cache [2, num_blocks * block_size slots, row] at slots[t]; tokens whose slot is negative
+// are skipped. Key and value rows are `key_stride` / `value_stride` bytes apart (views of a
+// fused qkv projection); the values half starts `half_bytes` into the cache.
+void reshape_and_cache(const char* key, int64_t key_stride, const char* value,
+                       int64_t value_stride, char* kv_cache, int64_t half_bytes,
+                       const int64_t* slots, int64_t num_tokens, int64_t row_bytes) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        if (slots[t] < 0) continue;
+        memcpy(kv_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
+        memcpy(kv_cache + half_bytes + slots[t] * row_bytes, value + t * value_stride, row_bytes);
+    }
+}
+
 // Whether this build has the bf16 fast path (AVX512_BF16).
 int paged_attention_bf16_fast_path(void) {
 #if defined(__AVX512BF16__)

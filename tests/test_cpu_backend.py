@@ -316,3 +316,33 @@ def test_disabled_by_environment(fresh_loader, monkeypatch):
     assert cpu_kernel_loader.load() is None
     assert not cpu_backend.is_available()
     assert not os.listdir(fresh_loader)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_in_c_is_bit_exact_and_skips_negative_slots(dtype):
+    """K and V as views of one fused qkv row; the same cache bytes as the torch reference."""
+    num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 7, 3, 64, 5, 16
+    qkv = torch.randn(num_tokens, (6 + 2 * num_kv_heads) * head_dim).to(dtype)
+    k_start, v_start = 6 * head_dim, (6 + num_kv_heads) * head_dim
+    key = qkv[:, k_start:v_start].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, v_start:].view(num_tokens, num_kv_heads, head_dim)
+    assert not key.is_contiguous()
+    slots = torch.tensor([3, -1, 17, 79, 0, -1, 40])
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    expected = torch.full(shape, float("nan"), dtype=dtype)
+    actual = expected.clone()
+    torch_reference.reshape_and_cache(key, value, expected, slots)
+    assert cpu_backend._writes_in_c(key, value, actual, slots)
+    cpu_backend.reshape_and_cache(key, value, actual, slots)
+    assert torch.equal(actual.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+    assert int(torch.isnan(actual).sum()) == actual.numel() - 2 * 5 * num_kv_heads * head_dim
+
+
+def test_cache_write_of_another_dtype_goes_through_torch():
+    key = value = torch.randn(2, 1, 16)
+    cache = torch.zeros(2, 1, 16, 1, 16, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 5])
+    assert not cpu_backend._writes_in_c(key, value, cache, slots)
+    cpu_backend.reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache[0, 0, 5], key[1].bfloat16())
