@@ -1,8 +1,8 @@
 """CPU backend: a C kernel for short queries, the torch reference's SDPA for long ones.
 
 Same functions and contracts as `kernels/torch_reference.py`. Requests with at most
-SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks), or FAST_BF16_QUERY_MAX_TOKENS where
-the kernel's bf16 fast path applies, go to `cpu_paged_attention.c`, which
+SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks), or every request where the
+kernel's bf16 fast path applies, go to `cpu_paged_attention.c`, which
 reads K/V straight from the paged cache: no gather copy, no padding to a chunk's longest
 request. Longer queries (prefill chunks) are matmul-bound and stay on SDPA's fused kernel.
 The C kernel reads float32 or bfloat16 caches (queries and sums in float32), and its head size
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,12 @@ from kernels.attention_metadata import AttentionMetadata
 # Above this many query tokens a request is faster through SDPA's blocked matmuls (the
 # crossover measured about 32 tokens at contexts of 300 to 2,000 here).
 SHORT_QUERY_MAX_TOKENS = 16
-# The same limit where the kernel takes its bf16 fast path (bf16 model, AVX512_BF16): faster
-# than SDPA up to 600-token prompts here (43 vs 51 ms for 8 of them), slower at 800; its
-# score rows grow with q_len * seq_len.
-FAST_BF16_QUERY_MAX_TOKENS = 512
+# Where the kernel takes its bf16 fast path (bf16 model, AVX512_BF16) it takes every query:
+# split into tiles it beat SDPA at every prompt length measured here (8 x 200 tokens: 6.5 vs
+# 10.6 ms; 2 x 1,000: 16.5 vs 24.6; 1 x 2,000: 32 vs 43).
+FAST_BF16_QUERY_MAX_TOKENS = sys.maxsize
+# Query tokens of one kernel work item; longer requests are split (see _build_plan).
+QUERY_TILE_TOKENS = 64
 
 
 def reshape_and_cache(
@@ -187,27 +190,46 @@ def _run_kernel(
 
 
 def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, query_limit: int) -> _CpuPlan:
+    """The kernel sees work items, not requests: a request of more than QUERY_TILE_TOKENS
+    query tokens becomes one item per tile of them (its seq_len cut at the tile's last token,
+    so causality is unchanged), which bounds each thread's score rows to a tile's and spreads
+    one long prompt over every thread. Items cover the step's tokens in order, so one
+    query_start array serves them all; requests for SDPA get an item the kernel never runs."""
     block_size = kv_cache.shape[2]
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
-    short, long_requests, max_query_x_seq_len = [], [], 0
+    item_rows, item_starts, item_seq_lens, kernel_items = [], [], [], []
+    long_requests, max_query_x_seq_len = [], 0
     block_table = None
     for row, seq_len in enumerate(seq_lens):
-        q_len = starts[row + 1] - starts[row]
-        if 0 < q_len <= query_limit:
-            short.append(row)
-            max_query_x_seq_len = max(max_query_x_seq_len, q_len * seq_len)
-        elif q_len > query_limit:
+        q_start, q_len = starts[row], starts[row + 1] - starts[row]
+        if q_len > query_limit:
             if block_table is None:
                 block_table = metadata.block_table.long()
             long_requests.append(
                 torch_reference.prefill_request(row, starts, seq_len, block_table, block_size)
             )
+            item_rows.append(row), item_starts.append(q_start), item_seq_lens.append(seq_len)
+            continue
+        context = seq_len - q_len
+        for tile_start in range(0, max(q_len, 1), QUERY_TILE_TOKENS):
+            tile_end = min(tile_start + QUERY_TILE_TOKENS, q_len)
+            if tile_end > tile_start:
+                kernel_items.append(len(item_rows))
+                tile_seq_len = context + tile_end
+                max_query_x_seq_len = max(
+                    max_query_x_seq_len, (tile_end - tile_start) * tile_seq_len
+                )
+            item_rows.append(row)
+            item_starts.append(q_start + tile_start)
+            item_seq_lens.append(context + tile_end)
+    item_starts.append(starts[-1])
+    rows = torch.tensor(item_rows, dtype=torch.long)
     return _CpuPlan(
-        short_requests=torch.tensor(short, dtype=torch.int32),
+        short_requests=torch.tensor(kernel_items, dtype=torch.int32),
         max_query_x_seq_len=max_query_x_seq_len,
         long_requests=long_requests,
-        block_table=metadata.block_table.to(torch.int32).contiguous(),
-        seq_lens=metadata.seq_lens.to(torch.int32).contiguous(),
-        query_start=metadata.query_start_loc.to(torch.int32).contiguous(),
+        block_table=metadata.block_table.index_select(0, rows).to(torch.int32).contiguous(),
+        seq_lens=torch.tensor(item_seq_lens, dtype=torch.int32),
+        query_start=torch.tensor(item_starts, dtype=torch.int32),
     )

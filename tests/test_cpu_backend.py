@@ -125,7 +125,7 @@ def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa():
 def test_kernel_alone_handles_queries_beyond_the_short_limit(monkeypatch):
     """The kernel is exact for any query length; the limit is a speed choice only."""
     monkeypatch.setattr(cpu_backend, "SHORT_QUERY_MAX_TOKENS", 10**6)
-    case = make_case([40, 33, 17], [40, 9, 17], 6, 2, 64, seed=3)
+    case = make_case([160, 33, 17], [150, 9, 17], 6, 2, 64, seed=3)  # 150: three tiles
     plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 10**6)
     assert plan.long_requests == []
     assert_matches_naive(case, run_backend(case))
@@ -216,17 +216,23 @@ def test_bfloat16_fast_path_shapes_match_naive(monkeypatch, block_size, head_dim
     assert_matches_naive(case, out, atol=ATOL_BF16)
 
 
-def test_bfloat16_fast_path_takes_queries_up_to_its_own_limit():
+def test_bfloat16_fast_path_takes_every_query_in_tiles():
     library = cpu_kernel_loader.load()
     if not library.paged_attention_bf16_fast_path():
         pytest.skip("this CPU has no AVX512_BF16: the bf16 cache uses the general kernel")
-    limit = cpu_backend.FAST_BF16_QUERY_MAX_TOKENS
-    case = make_case([700, 600, 30], [limit + 1, limit, 1], 6, 2, 64, dtype=torch.bfloat16)
-    assert cpu_backend._query_limit(library, torch.bfloat16, case.kv_cache) == limit
-    assert cpu_backend._query_limit(library, torch.float32, case.kv_cache) < limit
+    tile = cpu_backend.QUERY_TILE_TOKENS
+    q_lens = [2 * tile + 5, tile, 1, 0]
+    case = make_case([700, 2 * tile, 30, 9], q_lens, 6, 2, 64, dtype=torch.bfloat16)
+    limit = cpu_backend._query_limit(library, torch.bfloat16, case.kv_cache)
+    assert limit >= 10**9
+    assert cpu_backend._query_limit(library, torch.float32, case.kv_cache) < tile
     plan = cpu_backend._build_plan(case.metadata, case.kv_cache, limit)
-    assert plan.short_requests.tolist() == [1, 2]
-    assert [r.seq_len for r in plan.long_requests] == [700]
+    assert plan.long_requests == []
+    # request 0 in 3 tiles, 1 and 2 whole; request 3 has no query tokens: an item, not run
+    assert plan.short_requests.tolist() == [0, 1, 2, 3, 4]
+    assert plan.seq_lens.tolist() == [700 - tile - 5, 700 - 5, 700, 2 * tile, 30, 9]
+    assert plan.query_start.tolist() == [0, tile, 2 * tile, 2 * tile + 5, 3 * tile + 5,
+                                         3 * tile + 6, 3 * tile + 6]  # fmt: skip
     assert_matches_naive(case, run_backend(case), atol=ATOL_BF16)
 
 
