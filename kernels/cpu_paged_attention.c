@@ -76,6 +76,14 @@ typedef struct {
     int32_t kv_head_end;
 } Request;
 
+#if VECTOR_FLOATS == 16
+// 16 bf16 values at p, widened to float32 exactly (a bf16 is the upper half of a float32).
+static inline __m512 widen_bf16x16(const uint16_t* p) {
+    const __m256i half = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#endif
+
 // a . b over n floats; the vector paths need n % VECTOR_FLOATS == 0 (the caller checks).
 static inline float dot(const float* restrict a, const float* restrict b, int32_t n) {
 #if VECTOR_FLOATS == 16
@@ -102,11 +110,8 @@ static inline float dot(const float* restrict a, const float* restrict b, int32_
 static inline float dot_bf16(const float* restrict a, const uint16_t* restrict b, int32_t n) {
 #if VECTOR_FLOATS == 16
     __m512 sum = _mm512_setzero_ps();
-    for (int32_t d = 0; d < n; d += 16) {
-        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + d)));
-        const __m512 values = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), values, sum);
-    }
+    for (int32_t d = 0; d < n; d += 16)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), widen_bf16x16(b + d), sum);
     return _mm512_reduce_add_ps(sum);
 #else
     float sum = 0.0f;
@@ -150,11 +155,8 @@ static inline void add_weighted_sum_bf16(float* restrict out, const uint16_t* re
         for (int32_t c = 0; c < n / 16; ++c) acc[c] = _mm512_loadu_ps(out + c * 16);
         for (int32_t key = 0; key < num_keys; ++key, v += stride) {
             const __m512 weight = _mm512_set1_ps(weights[key]);
-            for (int32_t c = 0; c < n / 16; ++c) {
-                const __m256i half = _mm256_loadu_si256((const __m256i*)(v + c * 16));
-                const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
-                acc[c] = _mm512_fmadd_ps(weight, _mm512_castsi512_ps(wide), acc[c]);
-            }
+            for (int32_t c = 0; c < n / 16; ++c)
+                acc[c] = _mm512_fmadd_ps(weight, widen_bf16x16(v + c * 16), acc[c]);
         }
         for (int32_t c = 0; c < n / 16; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
         return;
@@ -306,11 +308,8 @@ static inline void value_block_bf16(const Problem* p, const Request* r, const ui
             const uint16_t* row = v + (int64_t)(key - start) * r->token_stride +
                                   (int64_t)kv_head * head_dim;
             float* dst = widened + (int64_t)(key - start) * head_dim;
-            for (int32_t d = 0; d < head_dim; d += 16) {
-                const __m256i half = _mm256_loadu_si256((const __m256i*)(row + d));
-                _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(
-                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-            }
+            for (int32_t d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(dst + d, widen_bf16x16(row + d));
         }
         for (int32_t t = first_token; t < r->q_len; ++t) {
             const int32_t visible_end = MIN(end, r->context + t + 1);
