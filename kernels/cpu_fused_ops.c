@@ -17,19 +17,6 @@
 #define WORTH_THREADS(num_threads, elements) \
     ((num_threads) > 1 && (elements) >= PARALLEL_MIN_ELEMENTS)
 
-// Element i of a float32 or bf16 array; `bf16` is a compile-time constant wherever these are
-// inlined, so each loop is specialized and vectorized.
-static inline float load_at(const void* base, int64_t i, int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t*)base)[i]) : ((const float*)base)[i];
-}
-
-static inline void store_at(void* base, int64_t i, float value, int bf16) {
-    if (bf16)
-        ((uint16_t*)base)[i] = float_to_bf16(value);
-    else
-        ((float*)base)[i] = value;
-}
-
 // residual[r] += x[r]; out[r] = weight * residual[r] / sqrt(mean(residual[r]^2) + eps).
 static inline void add_rms_norm_row(const void* x, float* restrict residual, const void* weight,
                                     void* out, int64_t cols, float eps, int bf16) {

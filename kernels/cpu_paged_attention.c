@@ -121,67 +121,41 @@ static inline float dot_bf16(const float* restrict a, const uint16_t* restrict b
 #endif
 }
 
-// out += sum over keys of weights[key] * v[key * stride], n floats; with AVX-512 (n <= 256)
-// the sum stays in registers and `out` is read and written once.
-static inline void add_weighted_sum(float* restrict out, const float* restrict v, int64_t stride,
-                                    const float* restrict weights, int32_t num_keys, int32_t n) {
+// out += sum over keys of weights[key] * v[key * stride], n elements of float32 or, when
+// `bf16` (a compile-time constant once inlined), bf16 values; with AVX-512 (n <= 256) the sum
+// stays in registers and `out` is read and written once.
+static inline void add_weighted_sum(float* restrict out, const void* v, int64_t stride,
+                                    const float* restrict weights, int32_t num_keys, int32_t n,
+                                    int bf16) {
 #if VECTOR_FLOATS == 16
     if (n <= 256) {
         __m512 acc[16];
         for (int32_t c = 0; c < n / 16; ++c) acc[c] = _mm512_loadu_ps(out + c * 16);
-        for (int32_t key = 0; key < num_keys; ++key, v += stride) {
+        for (int32_t key = 0; key < num_keys; ++key) {
             const __m512 weight = _mm512_set1_ps(weights[key]);
-            for (int32_t c = 0; c < n / 16; ++c)
-                acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + c * 16), acc[c]);
+            const int64_t first = key * stride;
+            for (int32_t c = 0; c < n / 16; ++c) {
+                const int64_t i = first + c * 16;
+                const __m512 values = bf16 ? widen_bf16x16((const uint16_t*)v + i)
+                                           : _mm512_loadu_ps((const float*)v + i);
+                acc[c] = _mm512_fmadd_ps(weight, values, acc[c]);
+            }
         }
         for (int32_t c = 0; c < n / 16; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
         return;
     }
 #endif
-    for (int32_t key = 0; key < num_keys; ++key, v += stride) {
+    for (int32_t key = 0; key < num_keys; ++key) {
         const float weight = weights[key];
 #pragma omp simd
-        for (int32_t d = 0; d < n; ++d) out[d] += weight * v[d];
+        for (int32_t d = 0; d < n; ++d) out[d] += weight * load_at(v, key * stride + d, bf16);
     }
 }
 
-// add_weighted_sum for a bf16 v.
-static inline void add_weighted_sum_bf16(float* restrict out, const uint16_t* restrict v,
-                                         int64_t stride, const float* restrict weights,
-                                         int32_t num_keys, int32_t n) {
-#if VECTOR_FLOATS == 16
-    if (n <= 256) {
-        __m512 acc[16];
-        for (int32_t c = 0; c < n / 16; ++c) acc[c] = _mm512_loadu_ps(out + c * 16);
-        for (int32_t key = 0; key < num_keys; ++key, v += stride) {
-            const __m512 weight = _mm512_set1_ps(weights[key]);
-            for (int32_t c = 0; c < n / 16; ++c)
-                acc[c] = _mm512_fmadd_ps(weight, widen_bf16x16(v + c * 16), acc[c]);
-        }
-        for (int32_t c = 0; c < n / 16; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
-        return;
-    }
-#endif
-    for (int32_t key = 0; key < num_keys; ++key, v += stride) {
-        const float weight = weights[key];
-#pragma omp simd
-        for (int32_t d = 0; d < n; ++d) out[d] += weight * bf16_to_float(v[d]);
-    }
-}
-
-// The two element types of the cache: `bf16` is a compile-time constant wherever these are
+// The two element types of the cache: `bf16` is a compile-time constant wherever this is
 // inlined (see attend), so each specialization keeps one branch.
 static inline float dot_cache(const float* q, const char* k, int32_t n, int bf16) {
     return bf16 ? dot_bf16(q, (const uint16_t*)k, n) : dot(q, (const float*)k, n);
-}
-
-static inline void add_weighted_cache(float* out, const char* v, int64_t stride,
-                                      const float* weights, int32_t num_keys, int32_t n,
-                                      int bf16) {
-    if (bf16)
-        add_weighted_sum_bf16(out, (const uint16_t*)v, stride, weights, num_keys, n);
-    else
-        add_weighted_sum(out, (const float*)v, stride, weights, num_keys, n);
 }
 
 // The cached rows of tokens start.. (to the end of start's block), all KV heads; `elem` is
@@ -317,7 +291,7 @@ static inline void value_block_bf16(const Problem* p, const Request* r, const ui
             for (int32_t g = 0; g < r->group; ++g, ++row)
                 add_weighted_sum(r->out + row * head_dim, widened, head_dim,
                                  scores + row * r->seq_len + start, visible_end - start,
-                                 head_dim);
+                                 head_dim, 0);
         }
     }
 }
@@ -400,9 +374,9 @@ static inline void value_block(const Problem* p, const Request* r, const char* v
         for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head) {
             const char* v_head = v + (int64_t)kv_head * head_dim * elem;
             for (int32_t g = 0; g < r->group; ++g, ++row)
-                add_weighted_cache(r->out + row * head_dim, v_head, r->token_stride,
-                                   scores + row * r->seq_len + start, visible_end - start,
-                                   head_dim, elem == 2);
+                add_weighted_sum(r->out + row * head_dim, v_head, r->token_stride,
+                                 scores + row * r->seq_len + start, visible_end - start,
+                                 head_dim, elem == 2);
         }
     }
 }

@@ -1,5 +1,6 @@
 // Scalar helpers shared by the CPU kernels, written so that GCC and Clang vectorize the loops
-// that call them: bf16 <-> float32 conversions and an exp for non-positive arguments.
+// that call them: bf16 <-> float32 conversions, element access to float32-or-bf16 arrays and an
+// exp for non-positive arguments.
 
 #ifndef CPU_SCALAR_MATH_H
 #define CPU_SCALAR_MATH_H
@@ -42,6 +43,19 @@ static inline float exp_nonpositive(float x) {
     float two_to_n;
     memcpy(&two_to_n, &bits, sizeof two_to_n);
     return p * two_to_n;
+}
+
+// Element i of a float32 or bf16 array; `bf16` is a compile-time constant wherever these are
+// inlined, so each loop is specialized and vectorized.
+static inline float load_at(const void* base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t*)base)[i]) : ((const float*)base)[i];
+}
+
+static inline void store_at(void* base, int64_t i, float value, int bf16) {
+    if (bf16)
+        ((uint16_t*)base)[i] = float_to_bf16(value);
+    else
+        ((float*)base)[i] = value;
 }
 
 // x * sigmoid(x), from exp(-|x|) so the exponent never overflows.
