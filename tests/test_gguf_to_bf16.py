@@ -4,21 +4,28 @@ float32), so the engine loaded from it runs the same numbers as from the origina
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
 from proto.model_files import default_model_path
-from scripts.gguf_to_bf16 import convert
 
 pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_default_model_in_bf16_keeps_metadata_and_rounds_each_weight(tmp_path):
     source = default_model_path()
     target = tmp_path / "bf16.gguf"
-    convert(source, target)
+    command = [sys.executable, "-m", "scripts.gguf_to_bf16", str(source), str(target)]
+    completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
     original, rewritten = gguf.GGUFReader(source), gguf.GGUFReader(target)
     assert {n for n in original.fields if not n.startswith("GGUF.")} == {
         n for n in rewritten.fields if not n.startswith("GGUF.")
