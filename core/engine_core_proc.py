@@ -117,10 +117,11 @@ class EngineCoreProc:
             ready.num_gpu_blocks for ready in worker_readies
         )
         max_model_len = min(ready.max_model_len for ready in worker_readies)
+        max_num_batched_tokens = min(ready.max_num_batched_tokens for ready in worker_readies)
         self.vocab_size = min(ready.vocab_size for ready in worker_readies)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             block_size=self.config.block_size,
             num_gpu_blocks=num_gpu_blocks,
@@ -130,7 +131,13 @@ class EngineCoreProc:
         )
         self.executor.initialize_cache(num_gpu_blocks)
         self.engine_core = EngineCore(Scheduler(scheduler_config), self.executor)
-        return EngineReady(num_gpu_blocks, self.config.block_size, max_model_len, self.vocab_size)
+        return EngineReady(
+            num_gpu_blocks,
+            self.config.block_size,
+            max_model_len,
+            max_num_batched_tokens,
+            self.vocab_size,
+        )
 
     # ---- main thread: busy loop ------------------------------------------------------------
 

@@ -26,6 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model: a Hugging Face folder or GGUF file; None = the default SmolLM2-135M-Instruct GGUF;
     "null" = the model-free NullWorker (tests, IPC benchmarks).
     max_model_len: None = the model's own context length (the minimum over workers).
+    max_num_batched_tokens: None = the worker's default for its device (the minimum over
+    workers; see `worker.worker.DEFAULT_MAX_NUM_BATCHED_TOKENS`).
     num_gpu_blocks_override: use exactly this many KV blocks instead of what workers measured.
     *_timeout_s: every wait for another process is bounded by one of these.
     max_frame_bytes: the engine core refuses larger frames from the frontend (and the client
@@ -37,7 +39,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dtype: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -64,7 +66,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         )
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         _check(
-            self.max_num_batched_tokens >= 1,
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
         )
         _check(
@@ -151,7 +153,9 @@ FIELD_HELP = {
     ),
     "block_size": "tokens per KV cache block",
     "max_num_seqs": "most requests running in one step",
-    "max_num_batched_tokens": "token budget of one step; longer prompts are chunked",
+    "max_num_batched_tokens": (
+        "token budget of one step; longer prompts are chunked (None: 2048 on CUDA, 1024 on CPU)"
+    ),
     "max_model_len": "context window (None: the model's)",
     "gpu_memory_utilization": "share of GPU memory the worker may use",
     "num_gpu_blocks_override": "exact number of KV blocks, instead of profiling",

@@ -107,11 +107,12 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineReady(msgspec.Struct, array_like=True, gc=False):
-    """The core's first message: what the engine can hold."""
+    """The core's first message: what the engine can hold, and its step token budget."""
 
     num_gpu_blocks: int
     block_size: int
     max_model_len: int
+    max_num_batched_tokens: int
     vocab_size: int
 
 

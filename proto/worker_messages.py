@@ -73,11 +73,13 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class WorkerReady(msgspec.Struct, array_like=True, gc=False):
-    """A worker loaded its model and measured how many KV blocks fit on its device."""
+    """A worker loaded its model and measured how many KV blocks fit on its device; the limits
+    it was built for (max_model_len, max_num_batched_tokens) bound the scheduler's."""
 
     rank: int
     num_gpu_blocks: int
     max_model_len: int
+    max_num_batched_tokens: int
     device: str
     vocab_size: int
 

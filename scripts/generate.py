@@ -179,9 +179,10 @@ def make_scheduler_config(config: EngineConfig, worker: Worker) -> SchedulerConf
     """The scheduler's limits from `config`, checked against what `worker` was built for; the
     KV pool is `num_gpu_blocks_override` or what the worker measures."""
     max_model_len = config.max_model_len or worker.max_model_len
+    max_num_batched_tokens = config.max_num_batched_tokens or worker.max_num_batched_tokens
     for name, value, limit in (
         ("max_num_seqs", config.max_num_seqs, worker.max_num_seqs),
-        ("max_num_batched_tokens", config.max_num_batched_tokens, worker.max_num_batched_tokens),
+        ("max_num_batched_tokens", max_num_batched_tokens, worker.max_num_batched_tokens),
         ("max_model_len", max_model_len, worker.max_model_len),
     ):
         if value > limit:
@@ -193,7 +194,7 @@ def make_scheduler_config(config: EngineConfig, worker: Worker) -> SchedulerConf
     num_gpu_blocks = config.num_gpu_blocks_override or worker.determine_num_available_blocks()
     return SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         block_size=config.block_size,
         num_gpu_blocks=num_gpu_blocks,
@@ -276,7 +277,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)

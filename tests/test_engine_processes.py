@@ -144,6 +144,7 @@ def test_requests_round_trip_with_logprobs_and_stop_tokens():
                 num_gpu_blocks=256 * 256 + 1,
                 block_size=16,
                 max_model_len=4096,
+                max_num_batched_tokens=2048,  # the NullWorker's default step budget
                 vocab_size=NULL_VOCAB_SIZE,
             )
             assert len(pids) == 2  # the core and one worker
@@ -174,6 +175,7 @@ def test_requests_round_trip_with_logprobs_and_stop_tokens():
 def test_64_concurrent_requests_complete_and_kv_usage_returns_to_zero():
     async def scenario():
         async with running_engine(max_num_seqs=16, max_num_batched_tokens=256) as (client, _):
+            assert client.ready.max_num_batched_tokens == 256  # the configured budget wins
             queues = [
                 client.add_request(request(f"r{i}", 10 + i, max_tokens=8 + i % 5))
                 for i in range(64)
@@ -326,7 +328,7 @@ def test_garbage_and_wrongly_typed_frames_are_rejected_and_the_engine_keeps_serv
         frontend.send_frames([b"one frame only"])
         frontend.send_frames([b"\xff", b"unknown type code"])
         frontend.send_frames([request_code, b"\xc1 not msgpack"])
-        frontend.send(EngineReady(1, 2, 3, 4))  # a real message, but not one the core accepts
+        frontend.send(EngineReady(1, 2, 3, 4, 5))  # a real message, but not one the core accepts
         frontend.send_frames([request_code, msgspec.msgpack.encode(["typed", "not a list", {}])])
         bad_params = msgspec.msgpack.encode(["bad-params", [1, 2], {"temperature": -1.0}])
         frontend.send_frames([request_code, bad_params])

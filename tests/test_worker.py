@@ -103,6 +103,16 @@ def test_default_dtypes():
     assert resolve_dtype("float16", CPU) == torch.float16
 
 
+def test_step_budget_defaults_by_device_and_a_given_one_wins(monkeypatch):
+    assert Worker(device="cpu").max_num_batched_tokens == 1024
+    assert Worker(device="cpu", max_num_batched_tokens=4096).max_num_batched_tokens == 4096
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert Worker(device="cuda").max_num_batched_tokens == 2048
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 1, got 0"):
+        Worker(device="cpu", max_num_batched_tokens=0)
+
+
 def test_bad_limits_are_rejected():
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         Worker(device="cpu", gpu_memory_utilization=1.5)

@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         num_gpu_blocks = worker.determine_num_available_blocks()
         device = str(getattr(worker, "device", config.device))
         ready = WorkerReady(
-            args.rank, num_gpu_blocks, worker.max_model_len, device, worker.vocab_size
+            args.rank,
+            num_gpu_blocks,
+            worker.max_model_len,
+            worker.max_num_batched_tokens,
+            device,
+            worker.vocab_size,
         )
         pipe.send(encoder.encode(ready))
         _serve(worker, args.rank, pipe, encoder)

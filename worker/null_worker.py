@@ -14,6 +14,7 @@ from proto import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 NULL_TOKEN_ID = 42
 NULL_VOCAB_SIZE = 32000
 NULL_MAX_MODEL_LEN = 4096
+NULL_MAX_NUM_BATCHED_TOKENS = 2048
 NULL_ALTERNATIVE_LOGPROB = -30.0
 
 
@@ -38,7 +39,7 @@ class NullWorker:
         block_size: int = 16,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         enforce_eager: bool = False,
@@ -48,6 +49,7 @@ class NullWorker:
         self.block_size = block_size
         self.max_model_len = max_model_len or NULL_MAX_MODEL_LEN
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens or NULL_MAX_NUM_BATCHED_TOKENS
         self.vocab_size = NULL_VOCAB_SIZE
         self.num_gpu_blocks: int | None = None
         self.req_id_to_state: dict[str, NullRequestState] = {}
