@@ -73,7 +73,10 @@ def machine_info() -> dict:
     with contextlib.suppress(ImportError):
         import torch
 
+        from worker.cpu_features import host_cpu_flags, simd_level
+
         info["torch"] = torch.__version__
+        info["cpu_simd"] = simd_level(host_cpu_flags())
         info["torch_num_threads"] = torch.get_num_threads()
         if torch.cuda.is_available():
             info["cuda_device"] = torch.cuda.get_device_name(0)
@@ -83,7 +86,8 @@ def machine_info() -> dict:
 def machine_line(info: dict) -> str:
     """One markdown line describing the machine a result came from."""
     text = (
-        f"Machine: {info['processor']} ({info['num_cpus']} CPUs, {info['memory_gib']:.0f} GiB), "
+        f"Machine: {info['processor']}{_simd_suffix(info)} ({info['num_cpus']} CPUs, "
+        f"{info['memory_gib']:.0f} GiB), "
         f"load average {info['load_average_1m']:.1f} at start, Python {info['python']}"
     )
     if "torch" in info:
@@ -91,6 +95,10 @@ def machine_line(info: dict) -> str:
     if "cuda_device" in info:
         text += f", GPU {info['cuda_device']}"
     return text + f", commit {info['git_commit']}, {info['date_utc']}."
+
+
+def _simd_suffix(info: dict) -> str:
+    return f" with {info['cpu_simd']}" if "cpu_simd" in info else ""
 
 
 def result_name(name: str, quick: bool) -> str:

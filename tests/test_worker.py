@@ -19,7 +19,7 @@ from tests.model_fixtures import build_tiny_model_folder
 from tests.test_generation_parity import hf_greedy
 from tests.tiny_causal_lm import TinyCausalLM
 from worker import cpu_features, memory_profiler
-from worker.cpu_features import default_cpu_dtype, host_cpu_flags, parse_cpu_flags
+from worker.cpu_features import default_cpu_dtype, host_cpu_flags, parse_cpu_flags, simd_level
 from worker.memory_profiler import GiB
 from worker.worker import Worker, resolve_device, resolve_dtype
 
@@ -70,18 +70,19 @@ AVX2_ONLY_FLAGS = "fpu sse2 avx avx2 fma"  # an AMD Zen 2 / Intel Skylake client
 
 
 @pytest.mark.parametrize(
-    ("flags", "expected"),
+    ("flags", "expected", "simd"),
     [
-        (AVX2_ONLY_FLAGS, torch.float32),
-        (AVX2_ONLY_FLAGS + " avx512f avx512bw avx512vl", torch.float32),  # AVX-512 without bf16
-        (AVX2_ONLY_FLAGS + " avx512f avx512_bf16", torch.bfloat16),  # Zen 4, Cooper Lake
-        (AVX2_ONLY_FLAGS + " amx_tile amx_bf16 amx_int8", torch.bfloat16),  # Sapphire Rapids
-        ("", torch.float32),  # cpuinfo unreadable or not x86
+        (AVX2_ONLY_FLAGS, torch.float32, "AVX2"),  # AMD Zen 2/3
+        (AVX2_ONLY_FLAGS + " avx512f avx512bw", torch.float32, "AVX-512 without bf16"),
+        (AVX2_ONLY_FLAGS + " avx512f avx512_bf16", torch.bfloat16, "AVX512_BF16"),  # Zen 4
+        (AVX2_ONLY_FLAGS + " avx512f amx_bf16", torch.bfloat16, "AMX-BF16"),  # Sapphire Rapids
+        ("", torch.float32, "no AVX2/AVX-512/NEON"),  # cpuinfo unreadable
     ],
 )
-def test_cpu_default_dtype_follows_native_bf16(monkeypatch, flags, expected):
+def test_cpu_default_dtype_follows_native_bf16(monkeypatch, flags, expected, simd):
     cpuinfo = f"processor\t: 0\nvendor_id\t: X\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
     assert default_cpu_dtype(parse_cpu_flags(cpuinfo)) == expected
+    assert simd_level(parse_cpu_flags(cpuinfo)) == simd
     monkeypatch.setattr(cpu_features, "host_cpu_flags", lambda: parse_cpu_flags(cpuinfo))
     assert resolve_dtype(None, CPU) == expected
     assert resolve_dtype("float32", CPU) == torch.float32  # --dtype overrides

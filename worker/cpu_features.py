@@ -36,6 +36,23 @@ def host_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+SIMD_LEVELS = (  # widest first: (flag, name)
+    ("amx_bf16", "AMX-BF16"),
+    ("avx512_bf16", "AVX512_BF16"),
+    ("avx512f", "AVX-512 without bf16"),
+    ("avx2", "AVX2"),
+    ("asimd", "NEON"),
+)
+
+
+def simd_level(flags: frozenset[str]) -> str:
+    """The widest vector/matrix extension among `flags`, for logs and benchmark records."""
+    for flag, name in SIMD_LEVELS:
+        if flag in flags:
+            return name
+    return "no AVX2/AVX-512/NEON"
+
+
 def has_native_bf16(flags: frozenset[str]) -> bool:
     return not NATIVE_BF16_FLAGS.isdisjoint(flags)
 
