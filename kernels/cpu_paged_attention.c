@@ -122,8 +122,8 @@ static inline float dot_bf16(const float* restrict a, const uint16_t* restrict b
 }
 
 // out += sum over keys of weights[key] * v[key * stride], n elements of float32 or, when
-// `bf16` (a compile-time constant once inlined), bf16 values; with AVX-512 (n <= 256) the sum
-// stays in registers and `out` is read and written once.
+// `bf16` (a compile-time constant once inlined), bf16 values; with AVX-512 (n <= 256) or AVX2
+// and float32 values (n <= 128) the sum stays in registers and `out` is read and written once.
 static inline void add_weighted_sum(float* restrict out, const void* v, int64_t stride,
                                     const float* restrict weights, int32_t num_keys, int32_t n,
                                     int bf16) {
@@ -142,6 +142,19 @@ static inline void add_weighted_sum(float* restrict out, const void* v, int64_t 
             }
         }
         for (int32_t c = 0; c < n / 16; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
+        return;
+    }
+#elif VECTOR_FLOATS == 8
+    if (!bf16 && n <= 128) {
+        __m256 acc[16];
+        for (int32_t c = 0; c < n / 8; ++c) acc[c] = _mm256_loadu_ps(out + c * 8);
+        for (int32_t key = 0; key < num_keys; ++key) {
+            const __m256 weight = _mm256_set1_ps(weights[key]);
+            const float* row = (const float*)v + key * stride;
+            for (int32_t c = 0; c < n / 8; ++c)
+                acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + c * 8), acc[c]);
+        }
+        for (int32_t c = 0; c < n / 8; ++c) _mm256_storeu_ps(out + c * 8, acc[c]);
         return;
     }
 #endif
@@ -304,6 +317,69 @@ static inline void query_to_bf16(const float* query, int64_t num_floats, uint16_
 }
 #endif
 
+#if VECTOR_FLOATS == 8
+// AVX2 float32 keys: scores come 8 keys at a time, 8 independent FMA chains (one dot product
+// at a time would wait on one chain's latency at every step) reduced together.
+#define AVX2_KEYS 8
+
+// p[j] -> lane j of the result: the sum of p[j]'s lanes (a transposed reduction).
+static inline __m256 sum_each_of_8(const __m256 p[AVX2_KEYS]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+    // a: lanes 0-3 keys 0-3 (low halves), 4-7 keys 0-3 (high halves); b likewise keys 4-7
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Scaled scores of query row q against n <= 8 float32 keys whose head rows start at k,
+// token_stride floats apart; only the n real keys are read and stored.
+static inline void score_8_keys(const float* q, const float* k, int64_t token_stride,
+                                int32_t head_dim, int32_t n, float scale, float* out) {
+    __m256 part[AVX2_KEYS];
+    for (int j = 0; j < AVX2_KEYS; ++j) part[j] = _mm256_setzero_ps();
+    for (int32_t c = 0; c < head_dim; c += 8) {
+        const __m256 query = _mm256_loadu_ps(q + c);
+        for (int j = 0; j < AVX2_KEYS; ++j)
+            if (j < n)
+                part[j] = _mm256_fmadd_ps(query, _mm256_loadu_ps(k + j * token_stride + c),
+                                          part[j]);
+    }
+    const __m256 sums = _mm256_mul_ps(sum_each_of_8(part), _mm256_set1_ps(scale));
+    if (n == AVX2_KEYS) {
+        _mm256_storeu_ps(out, sums);
+        return;
+    }
+    float lanes[AVX2_KEYS];
+    _mm256_storeu_ps(lanes, sums);
+    memcpy(out, lanes, sizeof(float) * n);
+}
+
+// score_block for a float32 cache: each query row against 8 keys at a time.
+static inline void score_block_f32(const Problem* p, const Request* r, const float* k,
+                                   const char* next, int32_t start, int32_t end,
+                                   int32_t head_dim, float* scores) {
+    const int64_t first_byte = (int64_t)r->kv_head_begin * head_dim * 4;
+    const int64_t span = (int64_t)(r->kv_head_end - r->kv_head_begin) * head_dim * 4;
+    for (int32_t key0 = start; key0 < end; key0 += AVX2_KEYS) {
+        const int32_t n = MIN(AVX2_KEYS, end - key0);
+        const float* k0 = k + (int64_t)(key0 - start) * r->token_stride;
+        if (next != NULL)
+            for (int32_t j = 0; j < n; ++j)
+                prefetch_row(next + ((int64_t)(key0 - start + j) * r->token_stride) * 4 +
+                                 first_byte,
+                             span);
+        const int32_t first_token = key0 > r->context ? key0 - r->context : 0;
+        for (int32_t t = first_token; t < r->q_len; ++t) {
+            int64_t row = (int64_t)t * p->num_q_heads + (int64_t)r->kv_head_begin * r->group;
+            for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head)
+                for (int32_t g = 0; g < r->group; ++g, ++row)
+                    score_8_keys(r->query + row * head_dim, k0 + (int64_t)kv_head * head_dim,
+                                 r->token_stride, head_dim, n, p->scale,
+                                 scores + row * r->seq_len + key0);
+        }
+    }
+}
+#endif
+
 // Score rows t * H_q + head, `seq_len` floats apart: the scaled dot products of the item's
 // query rows with the keys of one block, start..end-1. Token `key - start` of the next block
 // (`next`, or NULL) is prefetched alongside.
@@ -414,6 +490,12 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
             score_block_bf16(p, &r, (const uint16_t*)k, next,
                              block_rows(p, &r, p->value_cache, start, elem), start, end,
                              head_dim, scratch->query_bf16, scores);
+            continue;
+        }
+#endif
+#if VECTOR_FLOATS == 8
+        if (elem == 4) {
+            score_block_f32(p, &r, (const float*)k, next, start, end, head_dim, scores);
             continue;
         }
 #endif
