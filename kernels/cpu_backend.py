@@ -1,8 +1,9 @@
 """CPU backend: a C kernel for short queries, the torch reference's SDPA for long ones.
 
 Same functions and contracts as `kernels/torch_reference.py`. Requests with at most
-SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks), or every request where the
-kernel's bf16 fast path applies, go to `cpu_paged_attention.c`, which
+SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks), more on AVX2 with a float32
+cache, and every request where the kernel's bf16 fast path applies, go to
+`cpu_paged_attention.c`, which
 reads K/V straight from the paged cache: no gather copy, no padding to a chunk's longest
 request. Longer queries (prefill chunks) are matmul-bound and stay on SDPA's fused kernel.
 The C kernel reads float32 or bfloat16 caches (queries and sums in float32), and its head size
@@ -28,6 +29,10 @@ SHORT_QUERY_MAX_TOKENS = 16
 # split into tiles it beat SDPA at every prompt length measured here (8 x 200 tokens: 6.5 vs
 # 10.6 ms; 2 x 1,000: 16.5 vs 24.6; 1 x 2,000: 32 vs 43).
 FAST_BF16_QUERY_MAX_TOKENS = sys.maxsize
+# Where the kernel scores float32 keys 8 at a time (AVX2 builds), it beats SDPA up to this many
+# query tokens (per layer, 33 prompts x 27 tokens: 5.9 vs 14.1 ms; 1 x 512: 5.0 vs 7.6), but
+# not at long contexts (1 x 2,000: 69 vs 50 ms).
+AVX2_FLOAT32_QUERY_MAX_TOKENS = 512
 # Query tokens of one kernel work item; longer requests are split (see _build_plan).
 QUERY_TILE_TOKENS = 64
 
@@ -139,14 +144,19 @@ def _library_traits(library: ctypes.CDLL) -> tuple[int, bool]:
 
 
 def _query_limit(library: ctypes.CDLL, query_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
-    """The longest query the kernel takes (longer ones go to SDPA); see the two limits above."""
+    """The longest query the kernel takes (longer ones go to SDPA); see the limits above."""
+    vector_floats, has_fast_bf16 = _library_traits(library)
     fast = (
-        _library_traits(library)[1]
+        has_fast_bf16
         and query_dtype == kv_cache.dtype == torch.bfloat16
         and kv_cache.shape[4] % 32 == 0
         and kv_cache.shape[2] % 16 == 0
     )
-    return FAST_BF16_QUERY_MAX_TOKENS if fast else SHORT_QUERY_MAX_TOKENS
+    if fast:
+        return FAST_BF16_QUERY_MAX_TOKENS
+    if vector_floats == 8 and kv_cache.dtype == torch.float32:
+        return AVX2_FLOAT32_QUERY_MAX_TOKENS
+    return SHORT_QUERY_MAX_TOKENS
 
 
 def _run_kernel(

@@ -112,11 +112,29 @@ def test_long_context_decode_matches_naive():
     assert_matches_naive(case, run_backend(case))
 
 
-def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa():
+@pytest.mark.parametrize(
+    ("traits", "dtype", "expected"),
+    [
+        ((16, False), torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),  # AVX-512
+        ((8, False), torch.float32, cpu_backend.AVX2_FLOAT32_QUERY_MAX_TOKENS),
+        ((8, False), torch.bfloat16, cpu_backend.SHORT_QUERY_MAX_TOKENS),
+        ((16, True), torch.bfloat16, cpu_backend.FAST_BF16_QUERY_MAX_TOKENS),
+        ((16, True), torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),
+        ((1, False), torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),  # plain C
+    ],
+)
+def test_query_limit_follows_the_kernel_build_and_cache_dtype(monkeypatch, traits, dtype, expected):
+    """(vector floats, bf16 fast path) of the build and the cache dtype pick the limit."""
+    monkeypatch.setattr(cpu_backend, "_library_traits", lambda library: traits)
+    kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=dtype)
+    assert cpu_backend._query_limit(None, dtype, kv_cache) == expected
+
+
+def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa(monkeypatch):
+    monkeypatch.setattr(cpu_backend, "_query_limit", lambda *args: 16)
     case = make_case([10, 30, 40, 8], [1, 16, 17, 0], 4, 2, 64)
-    limit = cpu_backend._query_limit(cpu_kernel_loader.load(), case.query.dtype, case.kv_cache)
-    assert limit == cpu_backend.SHORT_QUERY_MAX_TOKENS
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, limit)
+    assert_matches_naive(case, run_backend(case))
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 16)
     assert plan.short_requests.tolist() == [0, 1]
     assert plan.max_query_x_seq_len == 16 * 30
     assert [(r.q_start, r.q_end, r.seq_len) for r in plan.long_requests] == [(17, 34, 40)]
