@@ -27,11 +27,15 @@ import asyncio
 import collections
 import multiprocessing
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import zmq
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from frontend.async_engine_client import AsyncEngineClient
 from frontend.core_client import AsyncCoreClient

@@ -15,10 +15,14 @@ the bf16 kernel, measured in the same run, alternating.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.cpu_bf16_matmul import Bf16MatmulWeight
 from scripts.bench_common import (

@@ -33,6 +33,7 @@ import contextlib
 import gc
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from frontend import LLM, SamplingParams
 from scripts.bench_common import (

@@ -21,10 +21,14 @@ import asyncio
 import os
 import random
 import shlex
+import sys
 import tempfile
 from pathlib import Path
 
 import httpx
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from frontend.async_engine_client import load_engine_tokenizer
 from proto.engine_config import EngineConfig

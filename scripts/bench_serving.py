@@ -26,12 +26,16 @@ import math
 import os
 import random
 import shlex
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.bench_common import (
     RESULTS_DIR,

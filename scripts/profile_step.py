@@ -20,12 +20,16 @@ import argparse
 import contextlib
 import functools
 import socket
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.request import Request
 from core.scheduler import Scheduler

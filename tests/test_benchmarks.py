@@ -578,3 +578,22 @@ def test_bench_linears_quick_times_every_way(tmp_path):
     for row in result["rows"]:
         assert "torch int8 weight-only" in row["ms_per_pass"]
         assert all(ms > 0 for ms in row["ms_per_pass"].values())
+
+
+# Scripts that a user starts, with an argparse --help; peer_vllm_offline runs inside vLLM's
+# own virtual environment and reads its work from stdin.
+USER_SCRIPTS = sorted(
+    path.stem
+    for path in (REPO_ROOT / "scripts").glob("*.py")
+    if 'if __name__ == "__main__"' in path.read_text() and path.stem != "peer_vllm_offline"
+)
+
+
+@pytest.mark.parametrize("name", USER_SCRIPTS)
+def test_every_script_runs_as_a_file_and_as_a_module(name, tmp_path):
+    as_file = [sys.executable, str(REPO_ROOT / "scripts" / f"{name}.py"), "--help"]
+    as_module = [sys.executable, "-m", f"scripts.{name}", "--help"]
+    for argv, cwd in ((as_file, tmp_path), (as_module, REPO_ROOT)):
+        result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{' '.join(argv[1:])}: {result.stderr[-2000:]}"
+        assert "usage:" in result.stdout
