@@ -29,9 +29,9 @@ SHORT_QUERY_MAX_TOKENS = 16
 # split into tiles it beat SDPA at every prompt length measured here (8 x 200 tokens: 6.5 vs
 # 10.6 ms; 2 x 1,000: 16.5 vs 24.6; 1 x 2,000: 32 vs 43).
 FAST_BF16_QUERY_MAX_TOKENS = sys.maxsize
-# Where the kernel scores float32 keys 8 at a time (AVX2 builds), it beats SDPA up to this many
-# query tokens (per layer, 33 prompts x 27 tokens: 5.9 vs 14.1 ms; 1 x 512: 5.0 vs 7.6), but
-# not at long contexts (1 x 2,000: 69 vs 50 ms).
+# Where the kernel scores float32 keys 8 at a time (AVX2 builds), it beats SDPA on prompts up to
+# this many tokens (it reads the paged cache in place and spreads tiles over threads), but not
+# on long prompts over long contexts, where SDPA's blocked matmuls win.
 AVX2_FLOAT32_QUERY_MAX_TOKENS = 512
 # Query tokens of one kernel work item; longer requests are split (see _build_plan).
 QUERY_TILE_TOKENS = 64

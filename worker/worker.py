@@ -20,10 +20,10 @@ DTYPE_NAMES = {
 }
 DEVICE_NAMES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 1024}
-"""Step token budget when none is given, by device type. A CPU prefill runs at ~2k tokens/s, so a
-2,048-token step holds every running request for about a second; 1,024 tokens halves that wait
-(first tokens of a burst arrive a step sooner, decodes stall half as long) while its GEMMs still
-have enough rows to run at full speed."""
+"""Step token budget when none is given, by device type. A CPU prefills slowly, so a step of
+thousands of tokens holds every running request for a long time; a smaller one returns a burst's
+first tokens a step sooner and stalls decodes less, while its matmuls still have enough rows to
+run at full speed (see benchmarks/results/linears.md)."""
 
 
 class Worker:
