@@ -29,12 +29,19 @@ class PeerClosedError(ConnectionError):
     """The other end is closed: its process exited or closed the pipe."""
 
 
+class PipeBrokenError(ConnectionError):
+    """A timeout cut a message short, so the stream is out of step: the pipe refuses all use."""
+
+
 class MessagePipe:
     """Sends and receives `[type code, payload]` messages over a connected stream socket.
 
     `timeout_s` bounds each wait for the peer (None: wait without limit); running out raises
     `TimeoutError`. A closed peer raises `PeerClosedError`, also in the middle of a
-    message.
+    message. A `recv` that times out may be retried when the message fits the read buffer
+    (nothing of it is consumed until all of it is there); a timeout in the middle of a larger
+    message, or of a `send`, leaves the stream out of step, and every later call raises
+    `PipeBrokenError`.
     """
 
     def __init__(self, sock: socket.socket, timeout_s: float | None = None) -> None:
@@ -44,6 +51,7 @@ class MessagePipe:
         self._buffer = bytearray(READ_BUFFER_BYTES)
         self._buffer_view = memoryview(self._buffer)
         self._start = self._end = 0
+        self._broken: str | None = None  # why the pipe refuses use, once it does
 
     @classmethod
     def from_fd(cls, fd: int, timeout_s: float | None = None) -> MessagePipe:
@@ -81,7 +89,9 @@ class MessagePipe:
             raise ValueError(
                 f"payload of {len(payload)} bytes exceeds the pipe's limit of {MAX_PAYLOAD_BYTES}"
             )
+        self._require_intact()
         header = HEADER.pack(len(payload), code[0])
+        num_sent = 0
         try:
             num_sent = self._socket.sendmsg([header, payload])
             if num_sent < len(header):  # the socket buffer filled up
@@ -91,36 +101,61 @@ class MessagePipe:
                 self._socket.sendall(memoryview(payload)[num_sent - len(header) :])
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise PeerClosedError("the other end of the pipe is closed") from exc
+        except (TimeoutError, BlockingIOError):
+            if num_sent > 0:
+                total = len(header) + len(payload)
+                self._broken = f"a send timed out after at least {num_sent} of {total} bytes"
+            raise
 
     def recv(self) -> list[bytes | bytearray]:
         """The next message as `[type code, payload]`, waiting for it as `timeout_s` allows.
 
         A small message usually takes one read: the header and payload arrive together and
         land in the read buffer at once."""
-        payload_bytes, code = HEADER.unpack(self._read_exactly(HEADER.size))
-        return [CODE_FRAMES[code], self._read_exactly(payload_bytes)]
+        self._require_intact()
+        self._fill(HEADER.size)
+        payload_bytes, code = HEADER.unpack_from(self._buffer, self._start)
+        message_bytes = HEADER.size + payload_bytes
+        if message_bytes <= len(self._buffer):
+            self._fill(message_bytes, HEADER.size)
+            self._start += message_bytes
+            return [CODE_FRAMES[code], self._buffer[self._start - payload_bytes : self._start]]
+        self._start += HEADER.size
+        try:
+            return [CODE_FRAMES[code], self._read_large(payload_bytes)]
+        except (TimeoutError, BlockingIOError):
+            self._broken = f"a recv timed out inside a {payload_bytes}-byte message"
+            raise
 
     def close(self) -> None:
         self._socket.close()
 
-    def _read_exactly(self, num_bytes: int) -> bytearray:
-        """The next `num_bytes` of the stream, taken from the read buffer and then the socket."""
+    def _require_intact(self) -> None:
+        if self._broken is not None:
+            raise PipeBrokenError(f"the pipe is out of step and refuses use: {self._broken}")
+
+    def _fill(self, num_bytes: int, header_bytes: int = 0) -> None:
+        """Reads until the buffer holds the next `num_bytes` (<= its size) of the stream,
+        consuming nothing: a timeout here leaves the stream as it was. An end of file is
+        reported in bytes of the payload that follows `header_bytes`."""
         buffered = self._end - self._start
-        if buffered < num_bytes and num_bytes > len(self._buffer):  # too big for the buffer
-            data = bytearray(num_bytes)
-            data[:buffered] = self._buffer[self._start : self._end]
-            self._start = self._end = 0
-            view = memoryview(data)
-            while buffered < num_bytes:
-                buffered += self._read_some(view[buffered:], buffered, num_bytes)
-            return data
-        if buffered < num_bytes:
-            self._buffer[:buffered] = self._buffer[self._start : self._end]
-            self._start, self._end = 0, buffered
-            while self._end < num_bytes:
-                self._end += self._read_some(self._buffer_view[self._end :], self._end, num_bytes)
-        data = self._buffer[self._start : self._start + num_bytes]
-        self._start += num_bytes
+        if buffered >= num_bytes:
+            return
+        self._buffer[:buffered] = self._buffer[self._start : self._end]
+        self._start, self._end = 0, buffered
+        while self._end < num_bytes:
+            view = self._buffer_view[self._end :]
+            self._end += self._read_some(view, self._end - header_bytes, num_bytes - header_bytes)
+
+    def _read_large(self, num_bytes: int) -> bytearray:
+        """The next `num_bytes` (more than the buffer holds): what is buffered, then the socket."""
+        buffered = self._end - self._start
+        data = bytearray(num_bytes)
+        data[:buffered] = self._buffer[self._start : self._end]
+        self._start = self._end = 0
+        view = memoryview(data)
+        while buffered < num_bytes:
+            buffered += self._read_some(view[buffered:], buffered, num_bytes)
         return data
 
     def _read_some(self, view: memoryview, num_filled: int, num_wanted: int) -> int:

@@ -13,7 +13,14 @@ import time
 import pytest
 
 from proto import MessageDecoder, MessageEncoder, SchedulerOutput, Shutdown
-from proto.message_pipe import HEADER, MessagePipe, PeerClosedError, pipe_pair
+from proto.message_pipe import (
+    HEADER,
+    READ_BUFFER_BYTES,
+    MessagePipe,
+    PeerClosedError,
+    PipeBrokenError,
+    pipe_pair,
+)
 
 
 @pytest.fixture
@@ -107,6 +114,44 @@ def test_a_full_pipe_times_out_instead_of_blocking_forever(pipes):
     left.timeout_s = 0.05
     with pytest.raises(TimeoutError):
         left.send([b"\x01", b"x" * (64 * 1024 * 1024)])  # nobody reads
+
+
+def test_a_recv_that_times_out_inside_a_small_message_can_be_retried():
+    left_socket, right_socket = socket.socketpair()
+    pipe = MessagePipe(left_socket, 0.05)
+    right_socket.sendall(HEADER.pack(100, 7) + b"x" * 40)
+    with pytest.raises(TimeoutError):
+        pipe.recv()
+    right_socket.sendall(b"y" * 60 + HEADER.pack(1, 3) + b"z")
+    assert pipe.recv() == [b"\x07", bytearray(b"x" * 40 + b"y" * 60)]
+    assert pipe.recv() == [b"\x03", bytearray(b"z")]
+    pipe.close()
+    right_socket.close()
+
+
+def test_a_recv_that_times_out_inside_a_large_message_breaks_the_pipe():
+    left_socket, right_socket = socket.socketpair()
+    pipe = MessagePipe(left_socket, 0.05)
+    size = 4 * READ_BUFFER_BYTES
+    right_socket.sendall(HEADER.pack(size, 7) + b"x" * (size // 2))
+    with pytest.raises(TimeoutError):
+        pipe.recv()
+    right_socket.sendall(b"x" * (size // 2))
+    with pytest.raises(PipeBrokenError, match=f"a recv timed out inside a {size}-byte message"):
+        pipe.recv()
+    with pytest.raises(PipeBrokenError):
+        pipe.send([b"\x01", b"ping"])
+    pipe.close()
+    right_socket.close()
+
+
+def test_a_send_that_times_out_part_way_breaks_the_pipe(pipes):
+    left, right = pipes
+    left.timeout_s = 0.05
+    with pytest.raises(TimeoutError):
+        left.send([b"\x01", b"x" * (64 * 1024 * 1024)])  # nobody reads: part of it is sent
+    with pytest.raises(PipeBrokenError, match="a send timed out after at least"):
+        left.send([b"\x01", b"ping"])
 
 
 def test_bad_frames_are_refused_before_anything_is_sent(pipes):
