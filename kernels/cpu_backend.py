@@ -129,32 +129,30 @@ def _kernel_supports(library: ctypes.CDLL, kv_cache: torch.Tensor) -> bool:
         kv_cache.dtype in (torch.float32, torch.bfloat16)
         and kv_cache.device.type == "cpu"
         and kv_cache.is_contiguous()
-        and head_dim % _library_traits(library)[0] == 0
+        and head_dim % _vector_floats(library) == 0
     )
 
 
 @functools.cache
-def _library_traits(library: ctypes.CDLL) -> tuple[int, bool]:
-    """(vector width in floats, whether the bf16 fast path is built), asked once per library
-    instead of at every layer."""
-    return (
-        library.paged_attention_vector_floats(),
-        bool(library.paged_attention_bf16_fast_path()),
-    )
+def _vector_floats(library: ctypes.CDLL) -> int:
+    """The kernel's vector width in floats, asked once per library instead of at every layer."""
+    return library.paged_attention_vector_floats()
+
+
+@functools.cache
+def _bf16_fast_path(library: ctypes.CDLL, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel takes its bf16 fast path for a bf16 model of these shapes (the kernel
+    decides; asked once per shape)."""
+    return bool(library.paged_attention_bf16_fast_path(head_dim, block_size))
 
 
 def _query_limit(library: ctypes.CDLL, query_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
     """The longest query the kernel takes (longer ones go to SDPA); see the limits above."""
-    vector_floats, has_fast_bf16 = _library_traits(library)
-    fast = (
-        has_fast_bf16
-        and query_dtype == kv_cache.dtype == torch.bfloat16
-        and kv_cache.shape[4] % 32 == 0
-        and kv_cache.shape[2] % 16 == 0
-    )
-    if fast:
+    if query_dtype == kv_cache.dtype == torch.bfloat16 and _bf16_fast_path(
+        library, kv_cache.shape[4], kv_cache.shape[2]
+    ):
         return FAST_BF16_QUERY_MAX_TOKENS
-    if vector_floats == 8 and kv_cache.dtype == torch.float32:
+    if _vector_floats(library) == 8 and kv_cache.dtype == torch.float32:
         return AVX2_FLOAT32_QUERY_MAX_TOKENS
     return SHORT_QUERY_MAX_TOKENS
 

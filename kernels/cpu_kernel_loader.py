@@ -167,7 +167,7 @@ def _cpu_identity() -> bytes:
 def _declare(library: ctypes.CDLL) -> None:
     pointer, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
     _signature(library.paged_attention_vector_floats, [], ctypes.c_int)
-    _signature(library.paged_attention_bf16_fast_path, [], ctypes.c_int)
+    _signature(library.paged_attention_bf16_fast_path, [i32, i32], ctypes.c_int)
     # key, key_stride, value, value_stride, kv_cache, half_bytes, slots, num_tokens, row_bytes
     _signature(
         library.reshape_and_cache, [pointer, i64, pointer, i64, pointer, i64, pointer, i64, i64]

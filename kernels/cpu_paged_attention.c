@@ -572,13 +572,10 @@ void reshape_and_cache(const char* key, int64_t key_stride, const char* value,
     }
 }
 
-// Whether this build has the bf16 fast path (AVX512_BF16).
-int paged_attention_bf16_fast_path(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
+// Whether a bf16 model's attention (bf16 cache and queries) of these shapes takes the bf16 fast
+// path in this build; the CPU backend sends it every query length when it does.
+int paged_attention_bf16_fast_path(int32_t head_dim, int32_t block_size) {
+    return use_fast_bf16(1, 1, head_dim, block_size);
 }
 
 static int32_t max_query_len(const int32_t* query_start, const int32_t* requests,

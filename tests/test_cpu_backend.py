@@ -17,6 +17,7 @@ import torch
 
 from kernels import cpu_backend, cpu_kernel_loader, select_backend, torch_reference
 from tests.paged_attention_cases import make_case, naive_attention
+from worker.cpu_features import host_cpu_flags
 
 ATOL_FP32 = 1e-5
 
@@ -113,21 +114,33 @@ def test_long_context_decode_matches_naive():
 
 
 @pytest.mark.parametrize(
-    ("traits", "dtype", "expected"),
+    ("vector_floats", "fast_bf16", "dtype", "expected"),
     [
-        ((16, False), torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),  # AVX-512
-        ((8, False), torch.float32, cpu_backend.AVX2_FLOAT32_QUERY_MAX_TOKENS),
-        ((8, False), torch.bfloat16, cpu_backend.SHORT_QUERY_MAX_TOKENS),
-        ((16, True), torch.bfloat16, cpu_backend.FAST_BF16_QUERY_MAX_TOKENS),
-        ((16, True), torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),
-        ((1, False), torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),  # plain C
+        (16, False, torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),  # AVX-512
+        (8, False, torch.float32, cpu_backend.AVX2_FLOAT32_QUERY_MAX_TOKENS),
+        (8, False, torch.bfloat16, cpu_backend.SHORT_QUERY_MAX_TOKENS),
+        (16, True, torch.bfloat16, cpu_backend.FAST_BF16_QUERY_MAX_TOKENS),
+        (16, True, torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),
+        (1, False, torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),  # plain C
     ],
 )
-def test_query_limit_follows_the_kernel_build_and_cache_dtype(monkeypatch, traits, dtype, expected):
-    """(vector floats, bf16 fast path) of the build and the cache dtype pick the limit."""
-    monkeypatch.setattr(cpu_backend, "_library_traits", lambda library: traits)
+def test_query_limit_follows_the_kernel_build_and_cache_dtype(
+    monkeypatch, vector_floats, fast_bf16, dtype, expected
+):
+    """The build's vector width, whether it takes the bf16 fast path for these shapes, and the
+    cache dtype pick the limit."""
+    monkeypatch.setattr(cpu_backend, "_vector_floats", lambda library: vector_floats)
+    monkeypatch.setattr(cpu_backend, "_bf16_fast_path", lambda library, dim, block: fast_bf16)
     kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=dtype)
     assert cpu_backend._query_limit(None, dtype, kv_cache) == expected
+
+
+def test_bf16_fast_path_shapes_are_the_kernels_own():
+    library = cpu_kernel_loader.load()
+    built = bool(library.paged_attention_bf16_fast_path(64, 16))
+    assert built == ("avx512_bf16" in host_cpu_flags())
+    assert not library.paged_attention_bf16_fast_path(48, 16)  # head_dim not a multiple of 32
+    assert not library.paged_attention_bf16_fast_path(64, 8)  # block not a multiple of 16
 
 
 def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa(monkeypatch):
@@ -236,7 +249,7 @@ def test_bfloat16_fast_path_shapes_match_naive(monkeypatch, block_size, head_dim
 
 def test_bfloat16_fast_path_takes_every_query_in_tiles():
     library = cpu_kernel_loader.load()
-    if not library.paged_attention_bf16_fast_path():
+    if not library.paged_attention_bf16_fast_path(64, 16):
         pytest.skip("this CPU has no AVX512_BF16: the bf16 cache uses the general kernel")
     tile = cpu_backend.QUERY_TILE_TOKENS
     q_lens = [2 * tile + 5, tile, 1, 0]
