@@ -26,8 +26,7 @@ from kernels.attention_metadata import AttentionMetadata
 # crossover measured about 32 tokens at contexts of 300 to 2,000 here).
 SHORT_QUERY_MAX_TOKENS = 16
 # Where the kernel takes its bf16 fast path (bf16 model, AVX512_BF16) it takes every query:
-# split into tiles it beat SDPA at every prompt length measured here (8 x 200 tokens: 6.5 vs
-# 10.6 ms; 2 x 1,000: 16.5 vs 24.6; 1 x 2,000: 32 vs 43).
+# split into tiles it beat SDPA at every prompt length measured (benchmarks/results).
 FAST_BF16_QUERY_MAX_TOKENS = sys.maxsize
 # Where the kernel scores float32 keys 8 at a time (AVX2 builds), it beats SDPA on prompts up to
 # this many tokens (it reads the paged cache in place and spreads tiles over threads), but not

@@ -2,8 +2,9 @@
 // exact and every sum float32: the same numbers as a float32 matmul of the two bf16 tensors
 // widened, then rounded once to bf16 (nearest even) or kept in float32. The bf16 dot-product
 // instructions (AVX512_BF16) do the work. The CPU worker runs a bf16 model's linears on it
-// (2-30% faster than oneDNN's bf16 matmul at decode batch sizes, within a few percent for
-// prompts), and its LM head with float32 output (logits rounded to bf16 flip greedy choices).
+// (faster than oneDNN's bf16 matmul at decode batch sizes, level for prompts:
+// benchmarks/results/linears.md), and its LM head with float32 output (logits rounded to bf16
+// flip greedy choices).
 //
 // The weight is packed once (kernels/cpu_bf16_matmul.py): rows padded to a multiple of
 // TILE_COLUMNS, then [N / 16][K / 2][16][2], so one 64-byte load holds two consecutive k of

@@ -1,7 +1,7 @@
 """bf16 x bf16 matmuls on CPU through `cpu_bf16_matmul.c` (AVX512_BF16), float32 sums.
 
 The output is rounded once to bf16 (a bf16 model's linears: the numbers oneDNN's bf16 linear
-gives, up to summation order, measured 2-30% faster at decode batch sizes) or kept in
+gives, up to summation order, faster at decode batch sizes) or kept in
 float32 (the LM head: the float32 logits of the bf16 operands, at bf16 speed).
 `Bf16MatmulWeight.pack(w)` is None where the kernel cannot run (no C kernels, no
 AVX512_BF16, a weight that is not a bf16 CPU matrix with an even inner size); callers then
