@@ -13,8 +13,8 @@ import logging
 import os
 import sys
 
+from common.process_watch import exit_when_orphaned
 from core.engine_core_proc import EngineCoreProc
-from core.process_watch import exit_when_orphaned
 from proto.endpoints import frontend_endpoints, remove_dead_frontend_sockets
 from proto.engine_config import EngineConfig
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from core.process_watch import describe_exit, stop_process
+from common.process_watch import describe_exit, stop_process
 from proto import (
     InitKVCache,
     KVCacheReady,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.single_type_kv_cache_manager import cdiv
+from common.math_utils import cdiv
 
 POLICIES = ("fcfs", "priority")
 

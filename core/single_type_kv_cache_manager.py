@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from common.math_utils import cdiv
 from core.block_pool import BlockPool
 from core.kv_cache_utils import BlockHash, KVCacheBlock
 from core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SingleTypeKVCacheManager:

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
+from common.model_files import resolve_model_path
 from frontend.core_client import AsyncCoreClient, EngineDeadError
 from frontend.metrics import EngineMetrics
 from frontend.null_tokenizer import NullTokenizer
@@ -21,7 +22,6 @@ from frontend.output_processor import OutputProcessor
 from frontend.request_output import RequestOutput
 from proto import EngineCoreOutput, FinishReason, SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
-from proto.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
 

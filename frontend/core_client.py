@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from common.process_watch import describe_exit, stop_process
 from proto import (
     AbortRequests,
     EngineCoreOutput,
@@ -327,7 +327,7 @@ class AsyncCoreClient:
 
     def _core_gone_reason(self) -> str | None:
         if self._process is not None and (returncode := self._process.poll()) is not None:
-            return f"engine core process {self._process.pid} exited ({_describe_exit(returncode)})"
+            return f"engine core process {self._process.pid} exited ({describe_exit(returncode)})"
         if self._core_disconnected:
             return f"engine core at {self.address} disconnected"
         return None
@@ -382,22 +382,6 @@ class AsyncCoreClient:
 
     async def _stop_core_process(self) -> None:
         # The core stops its workers within about 2 * shutdown_timeout_s, then flushes.
-        timeout_s = 3 * self.config.shutdown_timeout_s + 1.0
-        process = self._process
-        if process.poll() is None:
-            process.terminate()
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while process.poll() is None and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(POLL_INTERVAL_S / 2)
-        if process.poll() is None:
-            logger.warning(
-                "engine core %d ignored SIGTERM for %s s; killing it", process.pid, timeout_s
-            )
-            process.kill()
-        process.wait()
-
-
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"signal {signal.Signals(-returncode).name}"
-    return f"exit code {returncode}"
+        await asyncio.to_thread(
+            stop_process, self._process, 3 * self.config.shutdown_timeout_s + 1.0
+        )

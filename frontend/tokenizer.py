@@ -20,8 +20,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from proto.gguf_file import GGUFFile
-from proto.model_files import is_gguf_file
+from common.gguf_file import GGUFFile
+from common.model_files import is_gguf_file
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_FILE_NAME = "tokenizer_config.json"

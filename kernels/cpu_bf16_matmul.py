@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.math_utils import round_up
 from kernels import cpu_kernel_loader
 
 PAIR_LANES = 16  # output columns per 64-byte vector of packed pairs
@@ -43,7 +44,7 @@ class Bf16MatmulWeight:
         ):
             return None
         num_columns, k = weight.shape
-        padded = -(-num_columns // tile_columns) * tile_columns
+        padded = round_up(num_columns, tile_columns)
         rows = torch.zeros(padded, k, dtype=torch.bfloat16)
         rows[:num_columns] = weight.detach()
         packed = rows.view(padded // PAIR_LANES, PAIR_LANES, k // 2, 2).transpose(1, 2)

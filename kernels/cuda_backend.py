@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.dtypes import DTYPE_NAMES, dtype_name
 from kernels import launch_config as lc
 from kernels.attention_metadata import AttentionMetadata
 from kernels.module_loader import default_loader
 
 LOG2E = 1.4426950408889634
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @functools.cache
@@ -267,13 +267,15 @@ def _check_cache(kv_cache: torch.Tensor) -> str:
         )
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous for the CUDA kernels")
-    if kv_cache.dtype not in _DTYPE_NAMES:
+    try:
+        name = dtype_name(kv_cache.dtype)
+    except ValueError:
         raise ValueError(
             f"kv_cache dtype {kv_cache.dtype} is not supported by the CUDA kernels; "
-            f"use one of {sorted(str(d) for d in _DTYPE_NAMES)}"
-        )
+            f"use one of {DTYPE_NAMES}"
+        ) from None
     lc.check_head_dim(int(kv_cache.shape[4]))
-    return _DTYPE_NAMES[kv_cache.dtype]
+    return name
 
 
 def _as_rows(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.math_utils import cdiv, round_up
+
 MAX_GRID_Y = 65535
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
@@ -107,14 +109,6 @@ class CacheWriteLaunch:
     row_vecs: int
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(value: int, multiple: int) -> int:
-    return ceil_div(value, multiple) * multiple
-
-
 def check_head_dim(head_dim: int) -> None:
     """Raises ValueError unless the kernels support `head_dim` (a multiple of 8, at most 256)."""
     if head_dim <= 0 or head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM:
@@ -174,8 +168,8 @@ def head_chunking(group_size: int) -> tuple[int, int]:
 
     Chunks are as even as possible; the last one may be partial (the kernel masks its tail).
     """
-    num_chunks = ceil_div(group_size, DECODE_MAX_HEADS_PER_CTA)
-    return ceil_div(group_size, num_chunks), num_chunks
+    num_chunks = cdiv(group_size, DECODE_MAX_HEADS_PER_CTA)
+    return cdiv(group_size, num_chunks), num_chunks
 
 
 def decode_shared_mem_bytes(heads_per_cta: int, head_dim: int) -> int:
@@ -205,8 +199,8 @@ def split_keys(
     """
     if num_splits <= 1:
         return 1, UNSPLIT_KEYS_PER_SPLIT
-    keys_per_split = round_up(ceil_div(max_seq_len, num_splits), policy.key_alignment)
-    num_splits = ceil_div(max_seq_len, keys_per_split)
+    keys_per_split = round_up(cdiv(max_seq_len, num_splits), policy.key_alignment)
+    num_splits = cdiv(max_seq_len, keys_per_split)
     if num_splits <= 1:
         return 1, UNSPLIT_KEYS_PER_SPLIT
     return num_splits, keys_per_split
@@ -283,7 +277,7 @@ def prefill_launch(
     check_num_reqs(num_reqs)
     group_size = check_heads(num_heads, num_kv_heads)
     tokens_per_tile = prefill_tokens_per_tile(group_size)
-    grid = (ceil_div(max_query_len, tokens_per_tile), num_reqs, num_kv_heads)
+    grid = (cdiv(max_query_len, tokens_per_tile), num_reqs, num_kv_heads)
     if prefill_uses_tensor_cores(dtype_name, head_dim):
         return PrefillLaunch(
             grid=grid,

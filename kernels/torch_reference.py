@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.math_utils import cdiv
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -123,7 +124,7 @@ def prefill_request(
     row: int, starts: list[int], seq_len: int, block_table: torch.Tensor, block_size: int
 ) -> PrefillRequest:
     """Request `row` of a step (`starts` = query_start_loc as a list, block_table int64)."""
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     return PrefillRequest(starts[row], starts[row + 1], seq_len, block_table[row, :num_blocks])
 
 
@@ -154,7 +155,7 @@ def _decode_chunk(
     block_size: int,
 ) -> _DecodeChunk:
     device = block_table.device
-    num_blocks = -(-max(seq_lens[row] for row in rows) // block_size)
+    num_blocks = cdiv(max(seq_lens[row] for row in rows), block_size)
     padded_len = num_blocks * block_size
     row_index = torch.tensor(rows, device=device)
     lengths = torch.tensor([seq_lens[row] for row in rows], device=device)

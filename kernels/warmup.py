@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from common.math_utils import cdiv
 from kernels.attention import write_kv_and_attend
 from kernels.attention_metadata import AttentionMetadata
-from kernels.launch_config import SplitPolicy, ceil_div
+from kernels.launch_config import SplitPolicy
 
 # Long enough that a single request takes the split-KV path on any GPU.
 WARMUP_CONTEXT_LEN = 2 * SplitPolicy().min_keys_per_split
@@ -30,12 +31,12 @@ def warmup(
     Uses its own small cache (about WARMUP_CONTEXT_LEN tokens), so it touches no engine state.
     """
     device = torch.device(device)
-    num_blocks = ceil_div(WARMUP_CONTEXT_LEN + 8, block_size) + 1
+    num_blocks = cdiv(WARMUP_CONTEXT_LEN + 8, block_size) + 1
     kv_cache = torch.zeros(
         2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
     )
     long_len, short_len = WARMUP_CONTEXT_LEN, 3
-    long_blocks = list(range(1, ceil_div(long_len + 1, block_size) + 1))
+    long_blocks = list(range(1, cdiv(long_len + 1, block_size) + 1))
     short_blocks = [num_blocks - 1]
     steps = [
         [(long_len, long_len, long_blocks)],  # prefill: (seq_len, q_len, blocks)

@@ -13,8 +13,9 @@ from typing import Any
 
 import msgspec
 
+from common.dtypes import DTYPE_NAMES
+
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("float32", "float16", "bfloat16")
 POLICIES = ("fcfs", "priority")
 NULL_MODEL = "null"
 MIN_FRAME_BYTES = 4096
@@ -57,8 +58,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def __post_init__(self) -> None:
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _check(
-            self.dtype is None or self.dtype in DTYPES,
-            f"dtype must be None or one of {DTYPES}, got {self.dtype!r}",
+            self.dtype is None or self.dtype in DTYPE_NAMES,
+            f"dtype must be None or one of {DTYPE_NAMES}, got {self.dtype!r}",
         )
         _check(
             self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,

@@ -203,7 +203,7 @@ def default_hf_folder(model: str | None) -> Path:
             f"model {model!r} is not a Hugging Face folder; pass --hf-model with the same "
             "weights as a transformers-loadable folder"
         )
-    from tests.model_fixtures import converted_default_model_folder
+    from worker.reference_model import converted_default_model_folder
 
     return converted_default_model_folder()
 

@@ -45,6 +45,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.dtypes import DTYPE_NAMES
 from frontend import LLM, SamplingParams
 from scripts.bench_common import (
     RESULTS_DIR,
@@ -64,7 +65,6 @@ TARGET_SPEEDUP = 2.0
 NUM_COMPARED_TOKENS = 8
 WORKLOAD_NAMES = ("mixed", "decode", "prefill")
 PEER_NAMES = ("transformers", "vllm", "llama-server")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 GPU_NUM_PROMPTS = 256
 
 
@@ -305,7 +305,7 @@ def start_peers(
 
 def gguf_path(model: str | None) -> Path:
     """The GGUF file of the engine's model (llama-server runs nothing else)."""
-    from proto.model_files import GGUF_SUFFIX, resolve_model_path
+    from common.model_files import GGUF_SUFFIX, resolve_model_path
 
     path = resolve_model_path(model)
     if path.suffix != GGUF_SUFFIX:

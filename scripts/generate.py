@@ -26,12 +26,12 @@ import msgspec
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.model_files import resolve_model_path
 from core.request import Request
 from core.scheduler import Scheduler, SchedulerConfig
 from frontend.tokenizer import Tokenizer, load_tokenizer
 from proto import ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from proto.engine_config import EngineConfig
-from proto.model_files import resolve_model_path
 from worker.worker import Worker
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from proto.model_files import default_model_path
+from common.model_files import default_model_path
 
 FLOAT_TYPES_KEPT = (gguf.GGMLQuantizationType.F32,)  # norms and biases stay float32
 

@@ -31,6 +31,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.model_files import resolve_model_path
 from core.request import Request
 from core.scheduler import Scheduler
 from frontend.tokenizer import load_tokenizer
@@ -43,7 +44,6 @@ from proto import (
 )
 from proto.engine_config import EngineConfig
 from proto.message_pipe import MessagePipe
-from proto.model_files import resolve_model_path
 from scripts.bench_common import (
     RESULTS_DIR,
     machine_info,

@@ -23,10 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.model_files import default_model_path
 from frontend.tokenizer import load_tokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
-from proto.model_files import default_model_path
 from scripts.generate import generate_token_ids
 from tests.model_fixtures import (
     build_paged_batch,

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.model_files import resolve_model_path
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.null_tokenizer import NullTokenizer
 from frontend.tokenizer import load_tokenizer
-from proto.model_files import resolve_model_path
 
 MULTILINGUAL_TEXTS = [
     "Hello 😀 world",

@@ -2,7 +2,7 @@
 
 The engine (core Scheduler + Worker in one process, scripts.generate) runs all prompts as one
 continuously batched workload; transformers generates each prompt alone from the same GGUF
-converted by its own code (tests.model_fixtures). Small token budgets (chunked prompts), a KV
+converted by its own code (worker.reference_model). Small token budgets (chunked prompts), a KV
 pool small enough to force preemption, and prefix-cache hits must all give the same tokens.
 """
 
@@ -14,7 +14,7 @@ import torch
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from scripts.generate import GenerationOutput, generate_token_ids
-from tests.model_fixtures import converted_default_model_folder
+from worker.reference_model import converted_default_model_folder
 from worker.worker import Worker
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from proto.gguf_file import GGUFFile
-from proto.model_files import default_model_path
+from common.gguf_file import GGUFFile
+from common.model_files import default_model_path
 from worker.gguf_loader import tensor_data
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from proto.model_files import default_model_path
+from common.model_files import default_model_path
 
 pytestmark = pytest.mark.slow
 

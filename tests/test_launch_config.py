@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.math_utils import cdiv
 from kernels import launch_config as lc
 
 H100_SMS = 132
@@ -118,7 +119,7 @@ def test_prefill_picks_tensor_cores_for_half_types(dtype_name, head_dim, tensor_
     else:
         assert launch.source_name == "prefill_attention.cu"
         assert launch.kernel_name == lc.prefill_kernel_name(dtype_name, head_dim)
-    assert launch.grid == (lc.ceil_div(300, 16), 2, 8)
+    assert launch.grid == (cdiv(300, 16), 2, 8)
 
 
 def test_tensor_core_prefill_shared_memory():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from proto.model_files import default_model_path, resolve_model_path
+from common.model_files import default_model_path, resolve_model_path
 from tests.model_fixtures import build_tiny_model_folder
 from worker.layers import (
     ColumnParallelLinear,
@@ -40,7 +40,7 @@ def edit_weights(folder, edit) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-# --- proto.model_files -------------------------------------------------------------------
+# --- common.model_files -------------------------------------------------------------------
 
 
 def test_default_model_is_the_smollm2_gguf():

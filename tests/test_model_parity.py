@@ -12,18 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proto.model_files import default_model_path
+from common.model_files import default_model_path
 from tests.model_fixtures import (
     TINY_VARIANTS,
     build_paged_batch,
     build_tiny_model_folder,
-    converted_default_model_folder,
     make_kv_caches,
     num_blocks_needed,
     scattered_block_ids,
     write_gguf_from_transformers_model,
 )
 from worker.model_loader import load_model
+from worker.reference_model import converted_default_model_folder
 
 MAX_ABS_DIFF = 1e-3
 GGUF_ARCH_TO_ARCHITECTURE = {

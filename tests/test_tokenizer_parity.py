@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from common.model_files import default_model_path
 from frontend.tokenizer import load_tokenizer
-from proto.model_files import default_model_path
 from tests.model_fixtures import (
     build_tiny_model_folder,
-    converted_default_model_folder,
     write_byte_level_tokenizer,
 )
+from worker.reference_model import converted_default_model_folder
 
 CORPUS = (
     "",

@@ -16,9 +16,8 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 
+from common.process_watch import exit_when_orphaned
 from proto import (
     InitKVCache,
     KVCacheReady,
@@ -35,7 +34,8 @@ from worker.host_allocator import keep_freed_memory
 
 logger = logging.getLogger("worker")
 
-PARENT_POLL_INTERVAL_S = 0.5
+# An orphaned worker gets SIGTERM (which it does not handle) and is hard-exited this much later.
+ORPHAN_EXIT_GRACE_S = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_freed_memory()
-    _exit_when_orphaned(os.getppid())
+    exit_when_orphaned(os.getppid(), ORPHAN_EXIT_GRACE_S)
     _export_distributed_env(args.dist_init_address, args.rank, args.world_size)
 
     pipe = MessagePipe.from_fd(args.pipe_fd)
@@ -154,18 +154,6 @@ def _export_distributed_env(dist_init_address: str, rank: int, world_size: int) 
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """Hard-exits once the core is gone. (A copy of core.process_watch's: worker/ may not
-    import core/.)"""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_INTERVAL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from proto.gguf_file import GGUFFile, GGUFTensorInfo
+from common.gguf_file import GGUFFile, GGUFTensorInfo
 from worker.model_config import ModelConfig, model_config_from_dicts
 
 GGUF_ARCHITECTURE_TO_HF = {

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.math_utils import cdiv
 from proto import SamplingParams
 from worker.block_table import BlockTable
 from worker.sampler import SamplingMetadata
@@ -56,7 +57,7 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
-        max_num_blocks_per_req = -(-max_model_len // block_size)
+        max_num_blocks_per_req = cdiv(max_model_len, block_size)
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
 
         self.req_ids: list[str | None] = [None] * max_num_reqs

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.math_utils import cdiv
 from kernels import cpu_fused_ops
 from worker.cpu_linear import PackableLinear
 from worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_all_reduce
@@ -379,7 +380,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.num_embeddings_per_rank = -(-num_embeddings // tp_size)
+        self.num_embeddings_per_rank = cdiv(num_embeddings, tp_size)
         self.vocab_start = tp_rank * self.num_embeddings_per_rank
         self.weight = _new_parameter(
             self.num_embeddings_per_rank, embedding_dim, weight_loader=self.weight_loader

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proto.model_files import HF_CONFIG_FILE_NAME, is_gguf_file
+from common.model_files import HF_CONFIG_FILE_NAME, is_gguf_file
 
 GENERATION_CONFIG_FILE_NAME = "generation_config.json"
 
@@ -100,7 +100,7 @@ def load_model_config(path: Path) -> ModelConfig:
     """
     path = Path(path)
     if is_gguf_file(path):
-        from proto.gguf_file import GGUFFile
+        from common.gguf_file import GGUFFile
         from worker.gguf_loader import gguf_model_config
 
         return gguf_model_config(GGUFFile(path))

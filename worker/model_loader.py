@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from proto.model_files import is_gguf_file
+from common.dtypes import dtype_name
+from common.model_files import is_gguf_file
 from worker.model_config import ModelConfig, load_model_config
 from worker.models import get_model_class
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Checkpoint tensors with no parameter here (recomputed buffers).
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -31,8 +31,7 @@ def load_model(
     missing or unexpected tensors; also FileNotFoundError for missing files and ValueError for
     an unsupported architecture or dtype.
     """
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPE_NAMES.values())}")
+    dtype_name(dtype)  # ValueError for a dtype the engine does not compute in
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
     path = Path(path)
@@ -49,7 +48,7 @@ def open_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.
     A GGUF file is opened once for both.
     """
     if is_gguf_file(path):
-        from proto.gguf_file import GGUFFile
+        from common.gguf_file import GGUFFile
         from worker.gguf_loader import gguf_model_config, iter_gguf_weights
 
         gguf_file = GGUFFile(path)

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from common.math_utils import cdiv
 from kernels import AttentionMetadata
 from proto import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from worker.input_batch import CachedRequestState, InputBatch
@@ -120,7 +121,7 @@ class ModelRunner:
         self, seq_lens: list[int], block_size: int
     ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Positions and metadata of whole prompts of `seq_lens` tokens in consecutive blocks."""
-        num_blocks = [-(-n // block_size) for n in seq_lens]
+        num_blocks = [cdiv(n, block_size) for n in seq_lens]
         block_table = np.zeros((len(seq_lens), max(num_blocks)), dtype=np.int32)
         first_blocks = np.cumsum([0, *num_blocks])
         for row, n in enumerate(num_blocks):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.math_utils import cdiv
 from proto import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 NULL_TOKEN_ID = 42
@@ -59,7 +60,7 @@ class NullWorker:
 
     def determine_num_available_blocks(self) -> int:
         """Enough blocks for every sequence at full length, plus the null block."""
-        num_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        num_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         return self.max_num_seqs * num_blocks_per_seq + 1
 
     def initialize_cache(self, num_gpu_blocks: int) -> None:

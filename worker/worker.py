@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from common.dtypes import DTYPE_NAMES, torch_dtype
+from common.math_utils import cdiv
 from kernels import cpu_kernel_loader
 from kernels.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput
@@ -13,11 +15,6 @@ from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from worker.model_runner import ModelRunner
 from worker.parallel_state import init_distributed
 
-DTYPE_NAMES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 DEVICE_NAMES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 1024}
 """Step token budget when none is given, by device type. A CPU prefills slowly, so a step of
@@ -91,7 +88,7 @@ class Worker:
     def load_model(self) -> None:
         """Resolves the model path, loads this rank's weights (on a CPU, linears pre-packed for
         oneDNN), fixes max_model_len."""
-        from proto.model_files import resolve_model_path
+        from common.model_files import resolve_model_path
         from worker.model_loader import load_model
 
         torch.manual_seed(self.seed)
@@ -187,8 +184,8 @@ class Worker:
     def _profile_peak_step(self) -> None:
         """A forward of max_num_batched_tokens into a scratch KV cache just big enough."""
         num_tokens = self.max_num_batched_tokens
-        num_seqs = -(-num_tokens // self.max_model_len)
-        num_blocks = -(-num_tokens // self.block_size) + num_seqs
+        num_seqs = cdiv(num_tokens, self.max_model_len)
+        num_blocks = cdiv(num_tokens, self.block_size) + num_seqs
         scratch = self._allocate_kv_caches(num_blocks)
         self.model_runner.dummy_forward(num_tokens, scratch)
         del scratch
@@ -257,12 +254,12 @@ def resolve_device(device: str, rank: int = 0) -> torch.device:
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     """None -> bfloat16 on CUDA and on CPUs with native bf16 (see `cpu_features`), float32 on
-    other CPUs; otherwise one of DTYPE_NAMES."""
+    other CPUs; otherwise the dtype of that name (`common.dtypes`)."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else default_cpu_dtype()
     if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPE_NAMES)} or None, got {dtype!r}")
-    return DTYPE_NAMES[dtype]
+        raise ValueError(f"dtype must be one of {DTYPE_NAMES} or None, got {dtype!r}")
+    return torch_dtype(dtype)
 
 
 def _check_positive(name: str, value: int) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 PARENT_POLL_INTERVAL_S = 0.5
 
@@ -42,6 +45,9 @@ def stop_process(process: subprocess.Popen, timeout_s: float) -> int:
         try:
             return process.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            logger.warning(
+                "process %d ignored SIGTERM for %s s; killing it", process.pid, timeout_s
+            )
             process.kill()
     return process.wait()
 

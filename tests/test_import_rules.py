@@ -1,0 +1,116 @@
+"""Every import rule of ARCHITECTURE.md, checked on the source (static) and at run time.
+
+Statically, every `import` in a package (at any depth, lazy ones included) may name only the
+packages of ours its row of the table allows. At run time, `core/`, `proto/` and `common/` load
+on a machine with no torch and no GPU: a subprocess that refuses torch, cupy, worker and kernels
+imports every one of their modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS = ("common", "proto", "core", "worker", "kernels", "frontend", "scripts", "tests")
+# Package -> the packages of ours it may import (itself included).
+ALLOWED = {
+    "common": {"common"},
+    "proto": {"common", "proto"},
+    "core": {"common", "proto", "core"},
+    "worker": {"common", "proto", "kernels", "worker"},
+    "kernels": {"common", "kernels"},
+    "frontend": {"common", "proto", "frontend"},
+    # Benchmarks and tools use the engine, never the tests' helpers.
+    "scripts": {"common", "proto", "core", "worker", "kernels", "frontend", "scripts"},
+    # Tests use the engine, never a script as a library.
+    "tests": {"common", "proto", "core", "worker", "kernels", "frontend", "scripts", "tests"},
+}
+# Test modules whose subject is the scripts themselves.
+SCRIPT_TESTS = {"test_benchmarks.py"}
+# Third-party packages a package must not import at module level.
+FORBIDDEN_AT_IMPORT = {
+    "common": {"torch", "cupy", "zmq"},
+    "proto": {"torch", "cupy"},
+    "core": {"torch", "cupy"},
+    "frontend": {"torch", "cupy"},
+}
+
+
+def imported_packages(tree: ast.AST, top_level_only: bool = False) -> set[str]:
+    """First components of the absolute module names `tree` imports."""
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def violations(package: str) -> list[str]:
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        allowed = set(ALLOWED[package])
+        if package == "tests" and path.name in SCRIPT_TESTS:
+            allowed.add("scripts")
+        for name in sorted(imported_packages(tree) & set(OURS) - allowed):
+            found.append(f"{path.relative_to(ROOT)} imports {name}")
+        forbidden = FORBIDDEN_AT_IMPORT.get(package, set())
+        for name in sorted(imported_packages(tree, top_level_only=True) & forbidden):
+            found.append(f"{path.relative_to(ROOT)} imports {name} at module level")
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_the_architecture_allows(package):
+    assert (ROOT / package).is_dir()
+    assert violations(package) == []
+
+
+def test_checker_sees_a_forbidden_import():
+    source = "import os\ndef f():\n    from worker.worker import Worker\nfrom torch import nn\n"
+    tree = ast.parse(source)
+    assert imported_packages(tree) == {"os", "worker", "torch"}
+    assert imported_packages(tree, top_level_only=True) == {"os", "torch"}
+
+
+BLOCKER = """
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'cupy', 'worker', 'kernels'):
+            raise ImportError(f'{name} must not be imported by core')
+sys.meta_path.insert(0, Blocker())
+import importlib, pkgutil
+import common, core, proto
+for package in (common, core, proto):
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):
+        if not module.name.endswith('__main__'):
+            importlib.import_module(module.name)
+loaded = [m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy')]
+assert not loaded, loaded
+print('ok')
+"""
+
+
+def test_core_imports_without_torch_or_cupy():
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKER], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_blocker_really_blocks():
+    probe = BLOCKER.replace("import common, core, proto", "import torch")
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0 and "must not be imported by core" in result.stderr
