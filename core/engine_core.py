@@ -1,28 +1,46 @@
-"""`EngineCore`: the scheduler and the model executor, advanced one step at a time.
+"""`EngineCore`: the scheduler and the model executor, advanced one step at a time, and the
+start-up handshake that builds it (`start_engine_core`).
 
-No sockets and no threads here (see `EngineCoreProc` for those), so it runs in-process in tests.
+No sockets and no threads here: `EngineCoreProc` adds those for the engine core process, and
+`InProcessEngine` steps the same core in the caller's thread.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from core.request import Request, RequestStatus
 from core.scheduler import Scheduler
+from core.scheduler_config import SchedulerConfig
 from proto import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineReady,
     FinishReason,
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
+    WorkerReady,
 )
+from proto.engine_config import EngineConfig
 
 
 class ModelExecutor(Protocol):
+    """What `EngineCore` needs of the workers: one step."""
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class Executor(ModelExecutor, Protocol):
+    """The workers from start-up on: `core.executor.Executor` (worker processes) or
+    `worker.local_executor.LocalExecutor` (one worker in this process)."""
+
+    def wait_until_ready(self) -> list[WorkerReady]: ...
+
+    def initialize_cache(self, num_gpu_blocks: int) -> None: ...
 
 
 class EngineCore:
@@ -78,19 +96,55 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
 
+def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineCore, EngineReady]:
+    """The start-up handshake: waits for every worker, sizes the KV pool (the override, else the
+    minimum over workers), has the workers allocate it, and returns the core with the
+    `EngineReady` that describes it.
+
+    The scheduler's limits are the tightest of the config's and every worker's; a worker built
+    for another block size is a ValueError (its block table would not match the core's).
+    """
+    readies = executor.wait_until_ready()
+    for ready in readies:
+        if ready.block_size != config.block_size:
+            raise ValueError(
+                f"worker rank {ready.rank} has block_size={ready.block_size}, the engine "
+                f"{config.block_size}"
+            )
+    num_gpu_blocks = config.num_gpu_blocks_override or min(r.num_gpu_blocks for r in readies)
+    max_model_len = min(r.max_model_len for r in readies)
+    max_num_batched_tokens = min(r.max_num_batched_tokens for r in readies)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=min(config.max_num_seqs, *(r.max_num_seqs for r in readies)),
+        max_num_batched_tokens=min(
+            config.max_num_batched_tokens or max_num_batched_tokens, max_num_batched_tokens
+        ),
+        max_model_len=min(config.max_model_len or max_model_len, max_model_len),
+        block_size=config.block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        enable_prefix_caching=config.enable_prefix_caching,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        policy=config.policy,
+    )
+    executor.initialize_cache(num_gpu_blocks)
+    ready = EngineReady(
+        num_gpu_blocks,
+        config.block_size,
+        scheduler_config.max_model_len,
+        scheduler_config.max_num_batched_tokens,
+        min(r.vocab_size for r in readies),
+        list(readies[0].eos_token_ids),
+    )
+    return EngineCore(Scheduler(scheduler_config), executor), ready
+
+
 def make_request(core_request: EngineCoreRequest, block_size: int, vocab_size: int) -> Request:
     """The scheduler's `Request` for a wire request; hashes its full prompt blocks (slow part).
 
     Raises ValueError for a token id outside [0, vocab_size) (the frontend never makes one; a
     raw client might, and the model would fail on it).
     """
-    token_ids = core_request.prompt_token_ids
-    if token_ids and min(token_ids) < 0:
-        raise ValueError(f"prompt token ids must be >= 0, got {min(token_ids)}")
-    if token_ids and max(token_ids) >= vocab_size:
-        raise ValueError(
-            f"prompt token id {max(token_ids)} is out of range: the vocabulary has {vocab_size} tokens"
-        )
+    check_prompt_token_ids(core_request.prompt_token_ids, vocab_size)
     return Request(
         request_id=core_request.request_id,
         prompt_token_ids=core_request.prompt_token_ids,
@@ -100,6 +154,16 @@ def make_request(core_request: EngineCoreRequest, block_size: int, vocab_size: i
         priority=core_request.priority,
         block_size=block_size,
     )
+
+
+def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    """ValueError for a token id outside [0, vocab_size)."""
+    if token_ids and min(token_ids) < 0:
+        raise ValueError(f"prompt token ids must be >= 0, got {min(token_ids)}")
+    if token_ids and max(token_ids) >= vocab_size:
+        raise ValueError(
+            f"prompt token id {max(token_ids)} is out of range: the vocabulary has {vocab_size} tokens"
+        )
 
 
 def make_error_output(request_id: str, message: str) -> EngineCoreOutput:

@@ -23,11 +23,15 @@ import time
 import msgspec
 import zmq
 
-from core.engine_core import EngineCore, make_error_output, make_outputs, make_request
+from core.engine_core import (
+    EngineCore,
+    make_error_output,
+    make_outputs,
+    make_request,
+    start_engine_core,
+)
 from core.executor import Executor
 from core.request import Request
-from core.scheduler import Scheduler
-from core.scheduler_config import SchedulerConfig
 from proto import (
     AbortRequests,
     EngineCoreRequest,
@@ -110,34 +114,11 @@ class EngineCoreProc:
     # ---- start-up --------------------------------------------------------------------------
 
     def _start_engine(self) -> EngineReady:
-        """Starts workers, sizes the KV cache (override, else the minimum over workers)."""
+        """Starts the worker processes and runs the start-up handshake."""
         self.executor = Executor(self.config)
-        worker_readies = self.executor.wait_until_ready()
-        num_gpu_blocks = self.config.num_gpu_blocks_override or min(
-            ready.num_gpu_blocks for ready in worker_readies
-        )
-        max_model_len = min(ready.max_model_len for ready in worker_readies)
-        max_num_batched_tokens = min(ready.max_num_batched_tokens for ready in worker_readies)
-        self.vocab_size = min(ready.vocab_size for ready in worker_readies)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=self.config.block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            long_prefill_token_threshold=self.config.long_prefill_token_threshold,
-            policy=self.config.policy,
-        )
-        self.executor.initialize_cache(num_gpu_blocks)
-        self.engine_core = EngineCore(Scheduler(scheduler_config), self.executor)
-        return EngineReady(
-            num_gpu_blocks,
-            self.config.block_size,
-            max_model_len,
-            max_num_batched_tokens,
-            self.vocab_size,
-        )
+        self.engine_core, ready = start_engine_core(self.config, self.executor)
+        self.vocab_size = ready.vocab_size
+        return ready
 
     # ---- main thread: busy loop ------------------------------------------------------------
 

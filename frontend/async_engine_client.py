@@ -89,7 +89,8 @@ class AsyncEngineClient:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         token_ids = list(prompt)
-        vocab_size = self.tokenizer.vocab_size
+        # The ids the model can run and the tokenizer can turn back into text.
+        vocab_size = min(self.tokenizer.vocab_size, self._core.ready.vocab_size)
         for token_id in token_ids:
             if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
                 raise InvalidPromptError(
@@ -195,7 +196,7 @@ class AsyncEngineClient:
     ) -> AsyncIterator[RequestOutput]:
         request_id = processor.request_id
         arrival_time_s = time.monotonic()
-        eos_token_ids = list(self.tokenizer.eos_token_ids)
+        eos_token_ids = self._core.ready.eos_token_ids  # the model's, from the workers
         core_requests = processor.make_core_requests(eos_token_ids, time.time(), priority)
         forwarders: list[asyncio.Task] = []
         self._raise_if_running(request_id)

@@ -16,6 +16,7 @@ import msgspec
 from frontend.detokenizer import Decoder, IncrementalDetokenizer
 from frontend.request_output import CompletionOutput, RequestOutput
 from proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams, TokenLogprobs
+from proto.sampling_params import stop_on_eos
 
 
 def core_request_ids(request_id: str, n: int) -> list[str]:
@@ -119,12 +120,8 @@ class OutputProcessor:
         arrival_time: float,
         priority: int = 0,
     ) -> list[EngineCoreRequest]:
-        """One core request per choice: n = 1, seed + index, extra eos ids as stop tokens."""
-        params = self.sampling_params
-        eos_token_id = eos_token_ids[0] if eos_token_ids else None
-        stop_token_ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_token_ids += [t for t in eos_token_ids[1:] if t not in stop_token_ids]
+        """One core request per choice: n = 1, seed + index, the eos rule of `stop_on_eos`."""
+        eos_token_id, params = stop_on_eos(self.sampling_params, eos_token_ids)
         return [
             EngineCoreRequest(
                 request_id=core_id,
@@ -133,7 +130,6 @@ class OutputProcessor:
                     params,
                     n=1,
                     seed=None if params.seed is None else params.seed + index,
-                    stop_token_ids=stop_token_ids,
                 ),
                 eos_token_id=eos_token_id,
                 arrival_time=arrival_time,

@@ -107,13 +107,15 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineReady(msgspec.Struct, array_like=True, gc=False):
-    """The core's first message: what the engine can hold, and its step token budget."""
+    """The core's first message: what the engine can hold, its step token budget, and the
+    model's vocabulary size and eos ids (from the workers' `WorkerReady`)."""
 
     num_gpu_blocks: int
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int
     vocab_size: int
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class UtilityResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 MAX_LOGPROBS = 20
@@ -65,3 +67,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def stop_on_eos(
+    params: SamplingParams, eos_token_ids: Sequence[int]
+) -> tuple[int | None, SamplingParams]:
+    """The model's eos rule for one request: (its eos id, its params). The first of the model's
+    eos ids is the request's eos; the others join `stop_token_ids` unless `ignore_eos` (so a
+    request stops on any of them, and `min_tokens` holds them all back)."""
+    eos_token_id = eos_token_ids[0] if eos_token_ids else None
+    if params.ignore_eos or len(eos_token_ids) < 2:
+        return eos_token_id, params
+    extra_stops = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
+    if not extra_stops:
+        return eos_token_id, params
+    stop_token_ids = [*params.stop_token_ids, *extra_stops]
+    return eos_token_id, msgspec.structs.replace(params, stop_token_ids=stop_token_ids)

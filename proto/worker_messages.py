@@ -74,7 +74,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     """A worker loaded its model and measured how many KV blocks fit on its device; the limits
-    it was built for (max_model_len, max_num_batched_tokens) bound the scheduler's."""
+    it was built for (block_size, max_num_seqs, max_model_len, max_num_batched_tokens) bound the
+    scheduler's. `vocab_size` and `eos_token_ids` are the model's, the one source every other
+    process reads them from (through `EngineReady`)."""
 
     rank: int
     num_gpu_blocks: int
@@ -82,6 +84,9 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     max_num_batched_tokens: int
     device: str
     vocab_size: int
+    block_size: int
+    max_num_seqs: int
+    eos_token_ids: list[int]
 
 
 class InitKVCache(msgspec.Struct, array_like=True, gc=False):

@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.model_files import resolve_model_path
+from core.engine_core import start_engine_core
 from core.request import Request
 from core.scheduler import Scheduler
 from frontend.tokenizer import load_tokenizer
@@ -52,9 +53,9 @@ from scripts.bench_common import (
     write_results,
 )
 from scripts.bench_offline import FULL_SHAPE, QUICK_SHAPE, build_workloads
-from scripts.generate import load_worker, make_scheduler_config
 from worker import layers, model_runner, sampler
 from worker.host_allocator import keep_freed_memory
+from worker.local_executor import LocalExecutor
 from worker.models import llama
 
 PARTS = (
@@ -274,13 +275,13 @@ def main() -> None:
     machine = machine_info()
     keep_freed_memory()  # the worker process's allocator settings (worker/__main__.py)
     config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, max_num_seqs=256)
-    worker = load_worker(config)
+    worker = LocalExecutor(config).worker
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     (workload,) = build_workloads(shape, tokenizer.encode, args.seed, ["mixed"], None)
-    scheduler_config = make_scheduler_config(config, worker)
+    scheduler_config = start_engine_core(config, LocalExecutor(config, worker))[0].scheduler.config
     timer = PartTimer()
     instrument(timer)
     for _ in range(2):  # the first run warms up allocations and kernel builds

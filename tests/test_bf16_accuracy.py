@@ -27,7 +27,7 @@ from common.model_files import default_model_path
 from frontend.tokenizer import load_tokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
-from scripts.generate import generate_token_ids
+from tests.engine_helpers import generate_token_ids
 from tests.model_fixtures import (
     build_paged_batch,
     make_kv_caches,

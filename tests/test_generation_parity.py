@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.in_process_engine import GenerationOutput
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
-from scripts.generate import GenerationOutput, generate_token_ids
+from tests.engine_helpers import generate_token_ids
 from worker.reference_model import converted_default_model_folder
 from worker.worker import Worker
 

@@ -200,10 +200,10 @@ def test_warmup_on_cpu_uses_the_reference(loader):
 
 
 def test_engine_greedy_tokens_match_the_reference_backend(loader, monkeypatch, tmp_path):
-    """A tiny random Llama through scripts.generate: emulated kernels vs the torch reference."""
+    """A tiny random Llama through the in-process engine: emulated kernels vs the torch reference."""
     from proto import SamplingParams
     from proto.engine_config import EngineConfig
-    from scripts.generate import generate_token_ids
+    from tests.engine_helpers import generate_token_ids
     from tests.model_fixtures import build_tiny_model_folder
 
     folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")

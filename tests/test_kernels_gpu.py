@@ -244,7 +244,7 @@ def test_matches_the_torch_reference_backend_on_the_same_gpu():
 
 def _greedy_token_ids(monkeypatch, prompt_token_ids, config, use_kernels: bool, max_tokens: int):
     from proto import SamplingParams
-    from scripts.generate import generate_token_ids
+    from tests.engine_helpers import generate_token_ids
 
     monkeypatch.setattr(cuda_backend, "is_available", lambda: use_kernels)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

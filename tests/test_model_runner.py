@@ -8,9 +8,9 @@ leave the greedy tokens unchanged.
 import pytest
 import torch
 
+from core.in_process_engine import make_requests, run_requests
 from core.scheduler import Scheduler, SchedulerConfig
 from proto import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from scripts.generate import make_requests, run_requests
 from tests.tiny_causal_lm import MAX_MODEL_LEN, VOCAB, TinyCausalLM
 from worker.model_runner import ModelRunner
 

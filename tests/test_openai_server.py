@@ -2,7 +2,7 @@
 
 Most tests share one server on the null model (token 42, "*" in the byte tokenizer, every
 step). Tests that kill or stop a server start their own; one compares the default SmolLM2
-model's greedy output over HTTP with the in-process engine loop (scripts.generate).
+model's greedy output over HTTP with the in-process engine (core.in_process_engine).
 """
 
 from __future__ import annotations
@@ -468,7 +468,7 @@ def test_sigterm_exits_cleanly_without_leftovers(tmp_path):
 
 @pytest.mark.slow
 def test_greedy_output_equals_the_in_process_engine(tmp_path):
-    from scripts.generate import generate
+    from tests.engine_helpers import generate
 
     prompts = ["The capital of France is", "Write a haiku about the sea:"]
     max_tokens = 8

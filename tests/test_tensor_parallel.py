@@ -30,7 +30,7 @@ from frontend import LLM, EngineDeadError
 from frontend.core_client import AsyncCoreClient
 from proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from proto.engine_config import EngineConfig
-from scripts.generate import generate_token_ids
+from tests.engine_helpers import generate_token_ids
 from tests.model_fixtures import (
     build_paged_batch,
     randomize_parameters,

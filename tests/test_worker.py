@@ -1,23 +1,18 @@
 """Worker: argument errors, max_model_len, KV sizing and the full lifecycle on a tiny model."""
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import worker.model_loader
-from frontend.tokenizer import load_tokenizer
 from kernels import cpu_backend, cpu_kernel_loader
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
-from scripts.generate import generate_token_ids, main
-from tests.model_fixtures import build_tiny_model_folder
-from tests.test_generation_parity import hf_greedy
-from tests.tiny_causal_lm import TinyCausalLM
+from tests.engine_helpers import generate_token_ids
+from tests.tiny_causal_lm import VOCAB, TinyCausalLM
 from worker import cpu_features, memory_profiler
 from worker.cpu_features import default_cpu_dtype, host_cpu_flags, parse_cpu_flags, simd_level
 from worker.memory_profiler import GiB
@@ -33,6 +28,7 @@ class TinyConfig:
     head_dim: int = 8
     max_position_embeddings: int = 64
     eos_token_ids: tuple[int, ...] = (3, 7)
+    vocab_size: int = VOCAB
 
 
 @pytest.fixture
@@ -231,20 +227,3 @@ def test_cuda_kv_budget_exhausted_is_a_clear_error(monkeypatch):
     fake = FakeCudaMemory(monkeypatch, peak_gib=30)
     with pytest.raises(RuntimeError, match="no memory left for the KV cache .* raise gpu_memory"):
         memory_profiler.cuda_kv_cache_bytes(torch.device("cuda", 0), 0.3, fake.workload)
-
-
-def test_cli_prints_one_json_line_per_prompt_in_order(tmp_path, capsys):
-    folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
-    prompts = ["hello there, how are you?", "a", "The quick brown fox"]
-    argv = ["--model", str(folder), "--device", "cpu", "--max-tokens", "6", "--ignore-eos"]
-    argv += ["--num-gpu-blocks-override", "64", "--max-num-batched-tokens", "8", *prompts]
-    assert main(argv) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [line["prompt"] for line in lines] == prompts
-    assert all(line["finish_reason"] == "length" for line in lines)
-
-    tokenizer = load_tokenizer(folder)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    for prompt, line in zip(prompts, lines, strict=True):
-        assert line["token_ids"] == hf_greedy(hf_model, tokenizer.encode(prompt), 6)
-        assert line["text"] == tokenizer.decode(line["token_ids"])

@@ -26,11 +26,11 @@ from proto import (
     SchedulerOutput,
     Shutdown,
     WorkerError,
-    WorkerReady,
 )
 from proto.engine_config import EngineConfig
 from proto.message_pipe import MessagePipe, PeerClosedError
 from worker.host_allocator import keep_freed_memory
+from worker.worker_factory import make_worker, worker_ready
 
 logger = logging.getLogger("worker")
 
@@ -52,19 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     pipe = MessagePipe.from_fd(args.pipe_fd)
     encoder = MessageEncoder()
     try:
-        worker = _make_worker(config, args.rank, args.world_size)
+        worker = make_worker(config, args.rank, args.world_size)
         worker.load_model()
         _share_cpu_cores(config, worker, args.world_size)
-        num_gpu_blocks = worker.determine_num_available_blocks()
-        device = str(getattr(worker, "device", config.device))
-        ready = WorkerReady(
-            args.rank,
-            num_gpu_blocks,
-            worker.max_model_len,
-            worker.max_num_batched_tokens,
-            device,
-            worker.vocab_size,
-        )
+        ready = worker_ready(worker, args.rank)
         pipe.send(encoder.encode(ready))
         _serve(worker, args.rank, pipe, encoder)
         _leave_process_group(config, args.world_size)
@@ -114,34 +105,6 @@ def _leave_process_group(config: EngineConfig, world_size: int) -> None:
         from worker.parallel_state import destroy_distributed
 
         destroy_distributed()
-
-
-def _make_worker(config: EngineConfig, rank: int, world_size: int):
-    """The NullWorker for model "null" (no torch import), else the real Worker (whose CPU KV
-    budget CORE_ENGINE_KV_CACHE_MEMORY_BYTES may set, per rank)."""
-    extra_kwargs = {}
-    if config.is_null_model:
-        from worker.null_worker import NullWorker as worker_class
-    else:
-        from worker.memory_profiler import kv_cache_memory_bytes_from_env
-        from worker.worker import Worker as worker_class
-
-        extra_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes_from_env(rank, world_size)
-    return worker_class(
-        model=config.model,
-        device=config.device,
-        dtype=config.dtype,
-        rank=rank,
-        world_size=world_size,
-        block_size=config.block_size,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        seed=config.seed,
-        enforce_eager=config.enforce_eager,
-        **extra_kwargs,
-    )
 
 
 def _export_distributed_env(dist_init_address: str, rank: int, world_size: int) -> None:

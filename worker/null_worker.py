@@ -52,6 +52,7 @@ class NullWorker:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens or NULL_MAX_NUM_BATCHED_TOKENS
         self.vocab_size = NULL_VOCAB_SIZE
+        self.eos_token_ids: list[int] = []
         self.num_gpu_blocks: int | None = None
         self.req_id_to_state: dict[str, NullRequestState] = {}
 

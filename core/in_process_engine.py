@@ -1,0 +1,169 @@
+"""`InProcessEngine`: the engine core stepped in the caller's thread, with no sockets.
+
+The same start-up handshake (`start_engine_core`), eos rule and step (`EngineCore.step`) as the
+engine core process; the executor is anything with the executor's verbs, usually
+`worker.local_executor.LocalExecutor` around one worker in this process (`core/` cannot import
+`worker/`, so the caller builds it). `scripts/generate.py`, the tests and the benchmarks run the
+engine this way. `run_requests` is the loop itself, for callers with their own scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from core.engine_core import (
+    EngineCore,
+    Executor,
+    ModelExecutor,
+    check_prompt_token_ids,
+    start_engine_core,
+)
+from core.request import Request
+from core.scheduler import Scheduler
+from proto import SamplingParams, SchedulerStats, TokenLogprobs
+from proto.engine_config import EngineConfig
+from proto.sampling_params import stop_on_eos
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """One request's generated tokens (prompt excluded) and why it stopped."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text: str | None = None
+
+
+WORKLOAD_COUNTERS = (
+    "num_steps",
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_prompt_tokens",
+    "num_generation_tokens",
+)
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Counters of one workload; prefix cache counters are in tokens."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_gpu_blocks: int = 0
+    elapsed_s: float = 0.0
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    results: list[GenerationResult]
+    stats: GenerationStats
+
+
+class TextCodec(Protocol):
+    """What `generate_text` needs of a tokenizer (`frontend.tokenizer.Tokenizer` has it)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class InProcessEngine:
+    """Start-up handshake on construction, then whole workloads through `generate`.
+
+    Each `generate` call starts from the state the last one left: with prefix caching on, a
+    later workload may hit blocks an earlier one cached.
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.executor = executor
+        self.engine_core, self.ready = start_engine_core(config, executor)
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling_params: SamplingParams,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> GenerationOutput:
+        """Runs the prompts as one continuously batched workload; results in prompt order.
+        `eos_token_ids` default to the model's (`EngineReady`)."""
+        if eos_token_ids is None:
+            eos_token_ids = self.ready.eos_token_ids
+        for ids in prompt_token_ids:
+            check_prompt_token_ids(ids, self.ready.vocab_size)
+        requests = make_requests(
+            prompt_token_ids, sampling_params, eos_token_ids, self.ready.block_size
+        )
+        return run_requests(self.engine_core.scheduler, self.executor, requests)
+
+    def generate_text(
+        self, prompts: Sequence[str], tokenizer: TextCodec, sampling_params: SamplingParams
+    ) -> GenerationOutput:
+        """`generate` for text prompts (encoded as they are, no chat template); each result's
+        `text` is its tokens decoded."""
+        output = self.generate([tokenizer.encode(p) for p in prompts], sampling_params)
+        for result in output.results:
+            result.text = tokenizer.decode(result.token_ids)
+        return output
+
+
+def make_requests(
+    prompt_token_ids: Sequence[Sequence[int]],
+    sampling_params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    block_size: int,
+) -> list[Request]:
+    """One request per prompt, ids "0", "1", ...; every eos id stops unless ignore_eos."""
+    eos_token_id, sampling_params = stop_on_eos(sampling_params, eos_token_ids)
+    return [
+        Request(
+            str(i), list(ids), sampling_params, eos_token_id=eos_token_id, block_size=block_size
+        )
+        for i, ids in enumerate(prompt_token_ids)
+    ]
+
+
+def run_requests(
+    scheduler: Scheduler, executor: ModelExecutor, requests: Sequence[Request]
+) -> GenerationOutput:
+    """Adds `requests` and steps `EngineCore` until all finish; results in the order of
+    `requests`, their tokens exactly what a client of the engine core would receive."""
+    engine_core = EngineCore(scheduler, executor)
+    results = {
+        r.request_id: GenerationResult(r.request_id, list(r.prompt_token_ids)) for r in requests
+    }
+    before = scheduler.get_stats()
+    for request in requests:
+        scheduler.add_request(request)
+    start = time.perf_counter()
+    while (engine_outputs := engine_core.step()) is not None:
+        for output in engine_outputs.outputs:
+            result = results[output.request_id]
+            result.token_ids.extend(output.new_token_ids)
+            result.logprobs.extend(output.new_logprobs or [])
+            if output.finish_reason is not None:
+                result.finish_reason = str(output.finish_reason)
+    stats = _workload_stats(scheduler, before, time.perf_counter() - start)
+    return GenerationOutput([results[r.request_id] for r in requests], stats)
+
+
+def _workload_stats(
+    scheduler: Scheduler, before: SchedulerStats, elapsed_s: float
+) -> GenerationStats:
+    """The scheduler's cumulative counters since `before`."""
+    after = scheduler.get_stats()
+    return GenerationStats(
+        **{name: getattr(after, name) - getattr(before, name) for name in WORKLOAD_COUNTERS},
+        num_gpu_blocks=scheduler.config.num_gpu_blocks,
+        elapsed_s=elapsed_s,
+    )

@@ -1,0 +1,30 @@
+"""scripts/generate.py, the in-process command line."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from frontend.tokenizer import load_tokenizer
+from scripts.generate import main
+from tests.model_fixtures import build_tiny_model_folder
+from tests.test_generation_parity import hf_greedy
+
+
+def test_cli_prints_one_json_line_per_prompt_in_order(tmp_path, capsys):
+    folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
+    prompts = ["hello there, how are you?", "a", "The quick brown fox"]
+    argv = ["--model", str(folder), "--device", "cpu", "--max-tokens", "6", "--ignore-eos"]
+    argv += ["--num-gpu-blocks-override", "64", "--max-num-batched-tokens", "8", *prompts]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == prompts
+    assert all(line["finish_reason"] == "length" for line in lines)
+
+    tokenizer = load_tokenizer(folder)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    for prompt, line in zip(prompts, lines, strict=True):
+        assert line["token_ids"] == hf_greedy(hf_model, tokenizer.encode(prompt), 6)
+        assert line["text"] == tokenizer.decode(line["token_ids"])
