@@ -79,10 +79,22 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs | None:
         """Schedules, executes and applies one step; None when there was nothing to do."""
+        scheduler_output = self.schedule()
+        if scheduler_output is None:
+            return None
+        return self.update(scheduler_output, self.executor.execute_model(scheduler_output))
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The first half of `step`, for a caller that runs the model itself: the next step's
+        plan, or None when no request is unfinished. Pass the model's answer to `update`."""
         if not self.has_work:
             return None
-        scheduler_output = self.scheduler.schedule()
-        model_runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.schedule()
+
+    def update(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """The second half of `step`: applies the sampled tokens; the outputs for clients."""
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def unfinished_request_ids(self) -> list[str]:
@@ -141,10 +153,11 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
 def make_request(core_request: EngineCoreRequest, block_size: int, vocab_size: int) -> Request:
     """The scheduler's `Request` for a wire request; hashes its full prompt blocks (slow part).
 
-    Raises ValueError for a token id outside [0, vocab_size) (the frontend never makes one; a
-    raw client might, and the model would fail on it).
+    Raises ValueError for a prompt or stop token id outside [0, vocab_size) (the frontend never
+    sends one; a raw client might, and the model would fail on it).
     """
     check_prompt_token_ids(core_request.prompt_token_ids, vocab_size)
+    core_request.sampling_params.check_vocabulary(vocab_size)
     return Request(
         request_id=core_request.request_id,
         prompt_token_ids=core_request.prompt_token_ids,

@@ -1,11 +1,12 @@
 """`EngineCoreProc`: the engine core process around `EngineCore`.
 
-One thread owns both frontend sockets. While idle it blocks on the DEALER; while the workers
-run a step it keeps reading the DEALER (the executor polls it next to the workers' socket), so
-decoding requests and building their block hashes overlap the model, as an input thread would,
-without the two thread hand-offs (about 100 µs per round trip) that input and output threads
-cost. Outputs are encoded and sent on the PUSH right after each step. Malformed frames are
-answered with an ERROR output for their request and never stop the loop.
+One thread, one poll loop, owned here: it waits on the frontend's DEALER and on every worker's
+pipe at once. While idle, a frame from the frontend or a worker's exit wakes it; while the workers
+run a step, it keeps reading the DEALER (decoding requests and building their block hashes
+overlaps the model, as an input thread would, without the thread hand-offs that input and
+output threads cost) until rank 0's answer arrives. The executor only sends and receives.
+Outputs are encoded and sent on the PUSH right after each step. Malformed frames are answered
+with an ERROR output for their request and never stop the loop.
 
 Life cycle: start workers -> KV sizing handshake -> `EngineReady` on the DEALER -> serve until a
 signal (exit 0, `EngineDead` sent) or a failure (every unfinished request gets an ERROR output,
@@ -30,7 +31,7 @@ from core.engine_core import (
     make_request,
     start_engine_core,
 )
-from core.executor import Executor
+from core.executor import Executor, WorkerFailedError
 from core.request import Request
 from proto import (
     AbortRequests,
@@ -40,6 +41,7 @@ from proto import (
     MessageDecodeError,
     MessageDecoder,
     MessageEncoder,
+    ModelRunnerOutput,
     UtilityRequest,
     UtilityResponse,
 )
@@ -85,6 +87,7 @@ class EngineCoreProc:
         self.decoder = MessageDecoder(
             [EngineCoreRequest, AbortRequests, UtilityRequest], config.max_frame_bytes
         )
+        self.poller = zmq.Poller()  # the DEALER and every worker's pipe (see _run_busy_loop)
         self.executor: Executor | None = None
         self.engine_core: EngineCore | None = None
         self.vocab_size = 0  # known once the workers report; requests are read only after that
@@ -95,7 +98,6 @@ class EngineCoreProc:
             ready = self._start_engine()
             self.input_socket.send_multipart(self.encoder.encode(ready))
             logger.info("engine core ready: %s", ready)
-            self.executor.read_while_waiting(self.input_socket, self._read_frontend)
             self._run_busy_loop()
         except ShutdownRequested as exc:
             logger.info("engine core shutting down on %s", exc)
@@ -125,20 +127,51 @@ class EngineCoreProc:
     def _run_busy_loop(self) -> None:
         """Applies inputs, steps, sends outputs; forever (until an exception unwinds it)."""
         engine_core = self.engine_core
+        self.poller.register(self.input_socket, zmq.POLLIN)
+        for fd in self.executor.pipe_fds():
+            self.poller.register(fd, zmq.POLLIN)
         while True:
             self._read_frontend()
             while self.pending_inputs:
                 self._handle_input(self.pending_inputs.popleft())
-            if not engine_core.has_work:
+            scheduler_output = engine_core.schedule()
+            if scheduler_output is None:
                 self._wait_for_frontend()
                 continue
-            outputs = engine_core.step()
-            if outputs is not None and outputs.outputs:
+            self.executor.send_step(scheduler_output)
+            outputs = engine_core.update(scheduler_output, self._wait_for_step())
+            if outputs.outputs:
                 self._send(outputs)
 
     def _wait_for_frontend(self) -> None:
-        """Blocks until the DEALER has a frame; a worker failing meanwhile raises at once."""
-        self.executor.wait_for_side_input()
+        """Blocks until the DEALER has a frame. A worker's pipe turning readable meanwhile (its
+        error report or its exit) raises WorkerFailedError at once; liveness is also re-checked
+        every POLL_INTERVAL_S."""
+        while True:
+            ready = self.poller.poll(POLL_INTERVAL_S * 1000)
+            if not ready:
+                self.executor.check_alive()
+            for source, _ in ready:
+                if source is not self.input_socket:
+                    raise self.executor.fail_on_message(source)
+            if ready:
+                return
+
+    def _wait_for_step(self) -> ModelRunnerOutput:
+        """Rank 0's answer to the step just sent, reading the DEALER into `pending_inputs`
+        meanwhile; WorkerFailedError if a worker fails or none answers within step_timeout_s."""
+        timeout_s = self.config.step_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while (remaining_s := deadline - time.monotonic()) > 0:
+            ready = self.poller.poll(min(remaining_s, POLL_INTERVAL_S) * 1000)
+            if not ready:
+                self.executor.check_alive()
+            for source, _ in ready:
+                if source is self.input_socket:
+                    self._read_frontend()
+                else:
+                    return self.executor.receive_step_output(source)
+        raise WorkerFailedError(f"no worker answered a step within {timeout_s} s")
 
     def _handle_input(self, item: InputItem) -> None:
         if isinstance(item, Request):
@@ -170,7 +203,7 @@ class EngineCoreProc:
 
     def _read_frontend(self) -> None:
         """Decodes the frames waiting on the DEALER (up to MAX_FRAMES_PER_READ) into
-        `pending_inputs`; never blocks. Also called by the executor while a step runs."""
+        `pending_inputs`; never blocks. Also called while a step runs."""
         socket = self.input_socket
         for _ in range(MAX_FRAMES_PER_READ):
             # Checking EVENTS is cheaper than the zmq.Again exception of an empty recv.

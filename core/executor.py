@@ -5,8 +5,12 @@ It starts `tensor_parallel_size` processes (`python -m worker`, so `core/` never
 worker inherits: messages are broadcast to every rank, and answers collected (every rank
 answers start-up messages; only rank 0 answers a step). A worker that exits closes its end, so
 its death is seen at once; every wait is also bounded and re-checks every worker's liveness at
-least every `POLL_INTERVAL_S`. While it waits for a step, it also serves one more socket for its
-owner (`read_while_waiting`).
+least every `POLL_INTERVAL_S`.
+
+The executor only sends and receives. Its blocking calls (`wait_until_ready`, `initialize_cache`,
+`execute_model`) wait on the workers alone; an owner that must serve other sockets while a step
+runs polls `pipe_fds()` itself next to them, after `send_step`, and hands each readable pipe to
+`receive_step_output`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -70,8 +73,6 @@ class Executor:
         self._decoder = MessageDecoder([WorkerReady, KVCacheReady, ModelRunnerOutput, WorkerError])
         self._poller = zmq.Poller()
         self._fd_to_worker: dict[int, WorkerProcess] = {}
-        self._side_socket: zmq.Socket | None = None
-        self._on_side_input: Callable[[], None] = lambda: None
         try:
             dist_init_address = f"tcp://127.0.0.1:{_find_free_port()}"
             for rank in range(config.tensor_parallel_size):
@@ -116,32 +117,35 @@ class Executor:
         self._broadcast(InitKVCache(num_gpu_blocks))
         self._collect(KVCacheReady, self.config.startup_timeout_s, "KV cache allocation")
 
-    def read_while_waiting(self, socket: zmq.Socket, on_input: Callable[[], None]) -> None:
-        """From now on, whenever `socket` has input while the workers are awaited,
-        `on_input()` is called (it must read without blocking); the wait goes on after it."""
-        self._side_socket, self._on_side_input = socket, on_input
-        self._poller.register(socket, zmq.POLLIN)
-
-    def wait_for_side_input(self) -> None:
-        """Blocks, between steps, until the `read_while_waiting` socket has input. A worker
-        that exits or reports an error meanwhile raises WorkerFailedError at once (its pipe
-        turns readable); liveness is also re-checked every POLL_INTERVAL_S."""
-        while True:
-            ready = self._poll(POLL_INTERVAL_S)
-            if not ready:
-                self.check_alive()
-            for source, _ in ready:
-                if source is not self._side_socket:
-                    raise self._unexpected_message(self._fd_to_worker[source], "between steps")
-            if ready:
-                return
-
     # ---- steps -----------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcasts one step and returns rank 0's sampled tokens."""
-        self._broadcast(scheduler_output)
+        self.send_step(scheduler_output)
         return self._collect(ModelRunnerOutput, self.config.step_timeout_s, "a step", 1)[0]
+
+    def send_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Broadcasts one step; its answer comes through `receive_step_output`."""
+        self._broadcast(scheduler_output)
+
+    def pipe_fds(self) -> list[int]:
+        """The descriptors to poll for the workers' messages: a pipe is readable when a worker
+        answered, reported an error, or exited."""
+        return list(self._fd_to_worker)
+
+    def receive_step_output(self, fd: int) -> ModelRunnerOutput:
+        """The step's answer from the worker whose pipe `fd` polled readable. Anything else (its
+        error report, its exit, another message) raises WorkerFailedError."""
+        worker = self._fd_to_worker[fd]
+        message = self._receive(worker)
+        if not isinstance(message, ModelRunnerOutput):
+            raise self._unexpected_message(worker, "during a step", message, ModelRunnerOutput)
+        return message
+
+    def fail_on_message(self, fd: int) -> WorkerFailedError:
+        """The error for a worker whose pipe `fd` polled readable between steps (a worker
+        speaks only when asked, so it reported an error or exited)."""
+        return self._unexpected_message(self._fd_to_worker[fd], "between steps")
 
     def check_alive(self) -> None:
         """Raises WorkerFailedError if any worker exited; prefers the worker's own error text."""
@@ -230,25 +234,16 @@ class Executor:
             ready = self._poll(min(remaining_s, POLL_INTERVAL_S))
             if not ready:
                 self.check_alive()
-            for source, _ in ready:
-                if source is self._side_socket:
-                    self._on_side_input()
-                    continue
-                worker = self._fd_to_worker[source]  # the poller names a pipe by its fd
+            for fd, _ in ready:
+                worker = self._fd_to_worker[fd]
                 message = self._receive(worker)
                 if not isinstance(message, expected):
                     raise self._unexpected_message(worker, f"during {what}", message, expected)
                 rank_to_answer[worker.rank] = message
         return rank_to_answer
 
-    def _poll(self, timeout_s: float) -> list[tuple[object, int]]:
-        """(source, event) pairs ready now, waiting up to `timeout_s`: the side socket, or a
-        pipe by its fd. A pipe holding read-ahead bytes is ready without a poll."""
-        buffered = [
-            (fd, zmq.POLLIN) for fd, w in self._fd_to_worker.items() if w.pipe.has_buffered_bytes
-        ]
-        if buffered:
-            return buffered
+    def _poll(self, timeout_s: float) -> list[tuple[int, int]]:
+        """(pipe fd, event) pairs ready now, waiting up to `timeout_s`."""
         return self._poller.poll(timeout_s * 1000)
 
     def _unexpected_message(
@@ -312,7 +307,7 @@ class Executor:
 
 
 def _is_readable(pipe: MessagePipe) -> bool:
-    return pipe.has_buffered_bytes or bool(zmq.select([pipe], [], [], 0)[0])
+    return bool(zmq.select([pipe], [], [], 0)[0])
 
 
 def _describe_worker_error(error: WorkerError) -> str:

@@ -8,7 +8,9 @@ peer at once: a read sees end of file and a write fails, where ZeroMQ would wait
 
 Wire format, per message: an 8-byte header (payload length, u32 little-endian; type code, one
 byte; three zero bytes), then the payload. A message is the two frames `MessageEncoder` makes,
-so the same `MessageDecoder` reads what `recv` returns.
+so the same `MessageDecoder` reads what `recv` returns. A read never takes bytes past the message
+being read (the header, then exactly its payload), so whether `fileno()` polls readable is the
+whole truth about what is waiting: a poller needs no second look at the pipe.
 
 Not thread-safe: one thread sends and receives on a pipe.
 """
@@ -70,15 +72,8 @@ class MessagePipe:
         self._socket.settimeout(timeout_s)
 
     def fileno(self) -> int:
-        """The socket's descriptor, so that `select`/`zmq.Poller` can wait on the pipe. A poll
-        sees only the socket: check `has_buffered_bytes` first (see `recv`)."""
+        """The socket's descriptor, so that `select`/`zmq.Poller` can wait on the pipe."""
         return self._socket.fileno()
-
-    @property
-    def has_buffered_bytes(self) -> bool:
-        """True when a read took in bytes that `recv` has not returned yet (the start of the
-        next message, or all of it): the socket may then have nothing left to poll."""
-        return self._end > self._start
 
     def send(self, frames: Sequence[bytes]) -> None:
         """Sends one message: `frames` is `[type code (1 byte), payload]`."""
@@ -110,8 +105,7 @@ class MessagePipe:
     def recv(self) -> list[bytes | bytearray]:
         """The next message as `[type code, payload]`, waiting for it as `timeout_s` allows.
 
-        A small message usually takes one read: the header and payload arrive together and
-        land in the read buffer at once."""
+        Two reads: the header, then the payload it announces."""
         self._require_intact()
         self._fill(HEADER.size)
         payload_bytes, code = HEADER.unpack_from(self._buffer, self._start)
@@ -135,20 +129,21 @@ class MessagePipe:
             raise PipeBrokenError(f"the pipe is out of step and refuses use: {self._broken}")
 
     def _fill(self, num_bytes: int, header_bytes: int = 0) -> None:
-        """Reads until the buffer holds the next `num_bytes` (<= its size) of the stream,
-        consuming nothing: a timeout here leaves the stream as it was. An end of file is
-        reported in bytes of the payload that follows `header_bytes`."""
+        """Reads until the buffer holds the next `num_bytes` (<= its size) of the stream and not
+        a byte more, consuming nothing: a timeout here leaves the stream as it was. An end of
+        file is reported in bytes of the payload that follows `header_bytes`."""
         buffered = self._end - self._start
         if buffered >= num_bytes:
             return
         self._buffer[:buffered] = self._buffer[self._start : self._end]
         self._start, self._end = 0, buffered
         while self._end < num_bytes:
-            view = self._buffer_view[self._end :]
+            view = self._buffer_view[self._end : num_bytes]
             self._end += self._read_some(view, self._end - header_bytes, num_bytes - header_bytes)
 
     def _read_large(self, num_bytes: int) -> bytearray:
-        """The next `num_bytes` (more than the buffer holds): what is buffered, then the socket."""
+        """The next `num_bytes` (more than the buffer holds): what is buffered (at most the
+        header's worth, since reads stop at a message's end), then the socket."""
         buffered = self._end - self._start
         data = bytearray(num_bytes)
         data[:buffered] = self._buffer[self._start : self._end]

@@ -234,35 +234,26 @@ def test_too_long_and_invalid_prompts_come_back_as_errors_and_the_engine_keeps_s
     asyncio.run(scenario())
 
 
-def test_executor_serves_the_side_socket_while_it_waits_for_a_step():
-    """The core reads its DEALER while the workers run a step: a frame waiting when the step is
-    broadcast is handed to `on_input` before `execute_model` returns."""
-    context = zmq.Context()
-    side_in = context.socket(zmq.PULL)
-    side_in.bind("inproc://side")
-    side_out = context.socket(zmq.PUSH)
-    side_out.connect("inproc://side")
-    executor = Executor(EngineConfig(model="null"))
+def test_executor_step_answer_arrives_on_a_pipe_its_owner_polls():
+    """The executor only sends and receives: after `send_step` the owner polls the workers'
+    pipes next to its own sockets, and the readable pipe yields rank 0's answer."""
+    executor = Executor(EngineConfig(model="null", tensor_parallel_size=2))
     pids = [worker.process.pid for worker in executor.workers]
     try:
         executor.wait_until_ready()
         executor.initialize_cache(16)
-        received = []
-
-        def on_input() -> None:
-            while side_in.poll(0):
-                received.append(side_in.recv())
-
-        executor.read_while_waiting(side_in, on_input)
-        side_out.send(b"a frame for the core")
-        output = executor.execute_model(SchedulerOutput([], [], {}, total_num_scheduled_tokens=0))
-        assert received == [b"a frame for the core"]
+        poller = zmq.Poller()
+        for fd in executor.pipe_fds():
+            poller.register(fd, zmq.POLLIN)
+        assert poller.poll(100) == []  # workers speak only when asked
+        executor.send_step(SchedulerOutput([], [], {}, total_num_scheduled_tokens=0))
+        ready = poller.poll(10_000)
+        assert len(ready) == 1  # only rank 0 answers a step
+        output = executor.receive_step_output(ready[0][0])
         assert output.req_ids == []
+        assert poller.poll(100) == []
     finally:
         executor.shutdown()
-        side_in.close(linger=0)
-        side_out.close(linger=0)
-        context.term()
     assert not any(is_alive(pid) for pid in pids)
 
 
