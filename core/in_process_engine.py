@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from core.engine_core import (
     EngineCore,
     Executor,
@@ -40,6 +42,7 @@ class GenerationResult:
     text: str | None = None
 
 
+# The cumulative counters of SchedulerStats; a workload's stats are their increase.
 WORKLOAD_COUNTERS = (
     "num_steps",
     "num_preemptions",
@@ -51,23 +54,13 @@ WORKLOAD_COUNTERS = (
 
 
 @dataclass(slots=True)
-class GenerationStats:
-    """Counters of one workload; prefix cache counters are in tokens."""
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_gpu_blocks: int = 0
-    elapsed_s: float = 0.0
-
-
-@dataclass(slots=True)
 class GenerationOutput:
+    """Results in request order; `stats` counts this workload only (its steps, tokens,
+    preemptions, prefix-cache tokens), `elapsed_s` is its wall time."""
+
     results: list[GenerationResult]
-    stats: GenerationStats
+    stats: SchedulerStats
+    elapsed_s: float
 
 
 class TextCodec(Protocol):
@@ -101,6 +94,7 @@ class InProcessEngine:
             eos_token_ids = self.ready.eos_token_ids
         for ids in prompt_token_ids:
             check_prompt_token_ids(ids, self.ready.vocab_size)
+        sampling_params.check_vocabulary(self.ready.vocab_size)
         requests = make_requests(
             prompt_token_ids, sampling_params, eos_token_ids, self.ready.block_size
         )
@@ -153,17 +147,12 @@ def run_requests(
             result.logprobs.extend(output.new_logprobs or [])
             if output.finish_reason is not None:
                 result.finish_reason = str(output.finish_reason)
-    stats = _workload_stats(scheduler, before, time.perf_counter() - start)
-    return GenerationOutput([results[r.request_id] for r in requests], stats)
+    elapsed_s = time.perf_counter() - start
+    stats = _workload_stats(before, scheduler.get_stats())
+    return GenerationOutput([results[r.request_id] for r in requests], stats, elapsed_s)
 
 
-def _workload_stats(
-    scheduler: Scheduler, before: SchedulerStats, elapsed_s: float
-) -> GenerationStats:
-    """The scheduler's cumulative counters since `before`."""
-    after = scheduler.get_stats()
-    return GenerationStats(
-        **{name: getattr(after, name) - getattr(before, name) for name in WORKLOAD_COUNTERS},
-        num_gpu_blocks=scheduler.config.num_gpu_blocks,
-        elapsed_s=elapsed_s,
-    )
+def _workload_stats(before: SchedulerStats, after: SchedulerStats) -> SchedulerStats:
+    """`after`, with each cumulative counter reduced to its increase since `before`."""
+    increases = {name: getattr(after, name) - getattr(before, name) for name in WORKLOAD_COUNTERS}
+    return msgspec.structs.replace(after, **increases)

@@ -146,6 +146,10 @@ class AsyncEngineClient:
         params = sampling_params if sampling_params is not None else SamplingParams()
         prompt_token_ids = self.tokenize(prompt)
         self.check_prompt_length(len(prompt_token_ids), params.max_tokens)
+        try:
+            params.check_vocabulary(self._core.ready.vocab_size)
+        except ValueError as exc:
+            raise InvalidPromptError(str(exc), param="stop_token_ids") from None
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._raise_if_running(request_id)
         processor = OutputProcessor(

@@ -21,14 +21,16 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from common.gguf_file import GGUFFile
-from common.model_files import is_gguf_file
+from common.model_files import (
+    GENERATION_CONFIG_FILE_NAME,
+    HF_CONFIG_FILE_NAME,
+    TOKENIZER_CONFIG_FILE_NAME,
+    TOKENIZER_FILE_NAME,
+    is_gguf_file,
+)
 
-TOKENIZER_FILE_NAME = "tokenizer.json"
-TOKENIZER_CONFIG_FILE_NAME = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE_NAME = "chat_template.jinja"
 CHAT_TEMPLATE_JSON_FILE_NAME = "chat_template.json"
-GENERATION_CONFIG_FILE_NAME = "generation_config.json"
-CONFIG_FILE_NAME = "config.json"
 
 SENTENCEPIECE_SPACE = "\u2581"
 # llama.cpp token types (tokenizer.ggml.token_type).
@@ -189,7 +191,7 @@ def load_hf_tokenizer(folder: Path) -> Tokenizer:
     eos_token_ids = _unique_ids(
         [backend.token_to_id(special_tokens["eos_token"]) if special_tokens["eos_token"] else None]
         + _as_list(_read_json(folder / GENERATION_CONFIG_FILE_NAME).get("eos_token_id"))
-        + _as_list(_read_json(folder / CONFIG_FILE_NAME).get("eos_token_id"))
+        + _as_list(_read_json(folder / HF_CONFIG_FILE_NAME).get("eos_token_id"))
     )
     return Tokenizer(
         backend,

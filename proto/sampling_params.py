@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import msgspec
 
 MAX_LOGPROBS = 20
+# Bounds that keep every field inside the worker's int64 sampling tensors and msgpack.
+MAX_TOP_K = 2**31 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
@@ -39,12 +43,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             self.stop = [self.stop]
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0.0 or self.temperature == math.inf:  # NaN fails >=
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 and self.top_k != -1:
             raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k must be at most {MAX_TOP_K}, got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
         if not 0.0 <= self.min_p <= 1.0:
@@ -61,8 +67,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             raise ValueError("stop strings must not be empty")
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED - (self.n - 1):
+            raise ValueError(
+                f"seed must be in [{MIN_SEED}, {MAX_SEED - (self.n - 1)}] (choice i of n uses "
+                f"seed + i), got {self.seed}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """ValueError for a stop token id the model cannot produce; the engine checks this where
+        it learns the vocabulary size (the engine core, and the frontend before sending)."""
+        if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
+            raise ValueError(
+                f"stop_token_ids must be below the vocabulary size {vocab_size}, got "
+                f"{max(self.stop_token_ids)}"
+            )
 
     @property
     def is_greedy(self) -> bool:

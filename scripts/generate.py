@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     stats = output.stats
     print(
-        f"{stats.num_steps} steps, {stats.num_generation_tokens} tokens in {stats.elapsed_s:.2f} s, "
+        f"{stats.num_steps} steps, {stats.num_generation_tokens} tokens in {output.elapsed_s:.2f} s, "
         f"{stats.num_preemptions} preemptions, {stats.prefix_cache_hits} prefix-cache hit tokens",
         file=sys.stderr,
     )

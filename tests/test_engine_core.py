@@ -246,3 +246,14 @@ def test_make_request_hashes_full_prompt_blocks_and_rejects_out_of_vocab_token_i
         match=f"token id {VOCAB_SIZE} is out of range: the vocabulary has {VOCAB_SIZE} tokens",
     ):
         make_request(wire, BLOCK_SIZE, VOCAB_SIZE)
+
+
+def test_make_request_rejects_stop_token_ids_the_model_cannot_produce():
+    """With min_tokens the worker bans the stop ids by indexing its logits; an id past the
+    vocabulary must be refused here, not crash the worker."""
+    params = SamplingParams(min_tokens=1, stop_token_ids=[VOCAB_SIZE])
+    wire = EngineCoreRequest("d", [5], params)
+    with pytest.raises(
+        ValueError, match=f"below the vocabulary size {VOCAB_SIZE}, got {VOCAB_SIZE}"
+    ):
+        make_request(wire, BLOCK_SIZE, VOCAB_SIZE)

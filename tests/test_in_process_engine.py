@@ -97,7 +97,7 @@ def test_generate_runs_each_workload_to_the_end_with_its_own_counters():
         assert [r.finish_reason for r in output.results] == ["length", "length"]
         assert output.stats.num_generation_tokens == 10
         assert output.stats.num_prompt_tokens == 43
-        assert output.stats.num_gpu_blocks == 64
+        assert output.elapsed_s > 0
     assert engine.engine_core.scheduler.get_stats().num_generation_tokens == 20
 
 

@@ -321,3 +321,31 @@ def test_qkv_layer_replicates_kv_heads_when_ranks_outnumber_them():
         assert torch.equal(v_rows, v[kv_head * 2 : kv_head * 2 + 2])
     with pytest.raises(ValueError, match="num_attention_heads=9 is not divisible by tp_size=2"):
         QKVParallelLinear(hidden, head_dim, 9, 3, tp_size=2)
+
+
+def test_the_tokenizers_eos_leads_the_models_eos_ids(tmp_path):
+    """A chat model's turn-end token (tokenizer_config.json's eos_token) may be missing from
+    config.json; the worker still lists it, first, as the tokenizer does."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "eos_token_id": [5, 9],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 6}))
+    tokenizer = {"added_tokens": [{"id": 9, "content": "<|im_end|>"}], "model": {"vocab": {}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert load_model_config(tmp_path).eos_token_ids == (9, 5, 6)
+    tokenizer = {"added_tokens": [], "model": {"vocab": {"</s>": 3}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": {"content": "</s>", "special": True}})
+    )
+    assert load_model_config(tmp_path).eos_token_ids == (3, 5, 9, 6)
+    (tmp_path / "tokenizer_config.json").unlink()
+    assert load_model_config(tmp_path).eos_token_ids == (5, 9, 6)

@@ -357,6 +357,8 @@ def test_invalid_parameters_answer_400_naming_the_parameter(server):
         ({"prompt": [1, 2, 10**6]}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "min_tokens": 1, "stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"prompt": "x", "top_k": 2**63}, "top_k"),
     ):
         response = post(server, "/v1/completions", body)
         assert response.status_code == 400, body

@@ -105,6 +105,32 @@ def test_sampling_params_validation_names_value_and_limit(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": float("nan")}, "temperature must be >= 0 and finite, got nan"),
+        ({"temperature": float("inf")}, "temperature must be >= 0 and finite, got inf"),
+        ({"top_k": 2**63}, f"top_k must be at most {2**31 - 1}"),
+        ({"seed": 2**64}, r"seed must be in \[-9223372036854775808, 9223372036854775807\]"),
+        ({"seed": 2**63 - 2, "n": 3}, r"seed must be in \[.*, 9223372036854775805\]"),
+    ],
+)
+def test_sampling_params_stay_inside_what_the_worker_and_the_wire_can_carry(kwargs, message):
+    """Values the worker's int64 tensors or msgpack cannot hold would fail deep in a worker (and
+    take the engine down); they are refused where the params are made."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    SamplingParams(seed=-(2**63), n=1)
+    SamplingParams(seed=2**63 - 3, n=3)
+
+
+def test_stop_token_ids_are_checked_against_the_vocabulary():
+    SamplingParams(stop_token_ids=[0, 99]).check_vocabulary(100)
+    SamplingParams().check_vocabulary(1)
+    with pytest.raises(ValueError, match="stop_token_ids must be below the vocabulary size 100"):
+        SamplingParams(stop_token_ids=[5, 100]).check_vocabulary(100)
+
+
 def test_sampling_params_normalisation():
     assert SamplingParams(stop="x").stop == ["x"]
     assert SamplingParams(top_k=-1).top_k == 0
