@@ -310,9 +310,7 @@ class Scheduler:
                 self._free_request(request)
         if stopped_ids:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
-        return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.get_stats(), timestamp=time.time()
-        )
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
     def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
         new_token_ids = []

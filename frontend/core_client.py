@@ -79,7 +79,6 @@ class AsyncCoreClient:
         self.address = address
         self.launch_core = launch_core
         self.ready: EngineReady | None = None
-        self.latest_stats: SchedulerStats | None = None
         self.dead_reason: str | None = None
         self._context: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -309,8 +308,6 @@ class AsyncCoreClient:
 
     def _dispatch(self, message: msgspec.Struct) -> None:
         if isinstance(message, EngineCoreOutputs):
-            if message.scheduler_stats is not None:
-                self.latest_stats = message.scheduler_stats
             for output in message.outputs:
                 if output.finished:
                     output_queue = self._request_id_to_queue.pop(output.request_id, None)

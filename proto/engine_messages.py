@@ -81,7 +81,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
-    """A snapshot of the scheduler; prefix cache counters are cumulative, in tokens."""
+    """A snapshot of the scheduler; prefix cache counters are cumulative, in tokens. Built on
+    request (the `get_stats` utility call, which /metrics and the stats log poll), never per
+    step."""
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -102,7 +104,6 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
-    scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
 
 

@@ -167,7 +167,7 @@ def test_requests_round_trip_with_logprobs_and_stop_tokens():
             with pytest.raises(ValueError, match="already in flight"):
                 client.add_request(request("dup", max_tokens=None))
                 client.add_request(request("dup"))
-            assert isinstance(client.latest_stats, SchedulerStats)
+            assert isinstance(await client.get_stats(), SchedulerStats)
 
     asyncio.run(scenario())
 

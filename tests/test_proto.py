@@ -21,6 +21,7 @@ from proto import (
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
+    UtilityResponse,
 )
 from proto.codec import MESSAGE_TYPES
 
@@ -40,8 +41,8 @@ def sample_messages():
                     stop_reason=7,
                 )
             ],
-            scheduler_stats=SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5),
         ),
+        UtilityResponse(7, stats=SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5)),
         SchedulerOutput(
             scheduled_new_reqs=[NewRequestData("a", [1, 2], params, [1, 2], 0)],
             scheduled_cached_reqs=[CachedRequestData("b", 5, [3], [9], True)],

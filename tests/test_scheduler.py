@@ -256,8 +256,8 @@ def test_stats_report_running_waiting_usage_and_preemptions():
     scheduler = make_scheduler(max_num_seqs=1)
     scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=4))
     scheduler.add_request(make_request("b", [1, 2, 3], max_tokens=4))
-    _, outputs = run_step(scheduler)
-    stats = outputs.scheduler_stats
+    run_step(scheduler)
+    stats = scheduler.get_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 1)
     assert stats.kv_cache_usage == pytest.approx(1 / 63)
     assert stats.num_prompt_tokens == 6 and stats.num_generation_tokens == 1
