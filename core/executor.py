@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from common.ports import find_free_port
 from common.process_watch import describe_exit, stop_process
 from proto import (
     InitKVCache,
@@ -74,7 +74,7 @@ class Executor:
         self._poller = zmq.Poller()
         self._fd_to_worker: dict[int, WorkerProcess] = {}
         try:
-            dist_init_address = f"tcp://127.0.0.1:{_find_free_port()}"
+            dist_init_address = f"tcp://127.0.0.1:{find_free_port()}"
             for rank in range(config.tensor_parallel_size):
                 self.workers.append(self._start_worker(rank, dist_init_address))
         except BaseException:
@@ -319,10 +319,3 @@ def _describe_death(worker: WorkerProcess) -> str:
         f"worker rank {worker.rank} (pid {worker.process.pid}) died "
         f"({describe_exit(worker.process.returncode)})"
     )
-
-
-def _find_free_port() -> int:
-    """A TCP port free right now on localhost, for torch.distributed's rendezvous."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

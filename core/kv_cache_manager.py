@@ -27,13 +27,8 @@ class KVCacheBlocks:
 class PrefixCacheStats:
     """Cumulative prefix-cache lookups, in tokens (queries) and hit tokens (hits)."""
 
-    requests: int = 0
     queries: int = 0
     hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -71,7 +66,6 @@ class KVCacheManager:
             request.block_hashes, max_cache_hit_length
         )
         num_computed_tokens = len(computed_blocks) * self.block_size
-        self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_computed_tokens
         return KVCacheBlocks(computed_blocks), num_computed_tokens

@@ -40,7 +40,6 @@ MERGE_THREADS = 128
 CACHE_WRITE_MAX_THREADS = 128
 VECTOR_BYTES = 16
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DTYPE_TO_CUDA_TYPE = {"float32": "float", "float16": "half_t", "bfloat16": "bf16_t"}
 
 Dim3 = tuple[int, int, int]

@@ -15,7 +15,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.dtypes import dtype_name
+from common.ports import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -185,13 +187,9 @@ def cpu_list_text(cpu_ids: Sequence[int]) -> str:
 def engine_default_dtype(device: str) -> str:
     """The dtype the engine picks when given none: bfloat16 on CUDA and on CPUs with native bf16
     instructions, float32 on other CPUs."""
-    import torch
+    from worker.worker import resolve_device, resolve_dtype
 
-    from worker.cpu_features import default_cpu_dtype
-
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        return "bfloat16"
-    return str(default_cpu_dtype()).removeprefix("torch.")
+    return dtype_name(resolve_dtype(None, resolve_device(device)))
 
 
 def default_hf_folder(model: str | None) -> Path:
@@ -275,12 +273,6 @@ def exact_length_prompt(rng: random.Random, encode, num_tokens: int) -> list[int
 # ---- server processes --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def core_serve(engine_flags: Sequence[str], log_path: Path | None = None) -> Iterator[str]:
     """Runs `core-serve` on a free local port until the block exits; yields its base URL.
@@ -288,7 +280,7 @@ def core_serve(engine_flags: Sequence[str], log_path: Path | None = None) -> Ite
     Waits (bounded by SERVER_STARTUP_TIMEOUT_S) until /health answers 200; raises RuntimeError
     with the tail of the server's log if it exits or never gets healthy. Always stops it.
     """
-    port = free_port()
+    port = find_free_port()
     argv = [
         sys.executable, "-m", "frontend.cli",
         "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",

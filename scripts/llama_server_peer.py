@@ -13,7 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from scripts.bench_common import GenerationWorkload, free_port, http_server
+from common.ports import find_free_port
+from scripts.bench_common import GenerationWorkload, http_server
 
 CONTEXT_TOKENS_PER_SLOT = 2048
 MAX_SLOTS = 256
@@ -64,7 +65,7 @@ class LlamaServerPeer:
         self.num_threads = num_threads
         self.num_slots = max(1, min(num_slots, MAX_SLOTS))
         self.version = llama_server_version(binary)
-        port = free_port()
+        port = find_free_port()
         argv = [
             binary, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(num_threads), "-np", str(self.num_slots),

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from common.ports import find_free_port
 from frontend.null_tokenizer import NullTokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
@@ -40,7 +40,7 @@ class ServerProcess:
     """A `python -m frontend.cli` child on a free port, its output in `log_path`."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.port = _free_port()
+        self.port = find_free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -79,12 +79,6 @@ class ServerProcess:
                 self.process.wait()
         self._log.close()
         return self.process.returncode
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def descendant_pids(pid: int) -> set[int]:

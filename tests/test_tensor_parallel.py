@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 import torch
 import torch.multiprocessing
 
+from common.ports import find_free_port
 from frontend import LLM, EngineDeadError
 from frontend.core_client import AsyncCoreClient
 from proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
@@ -102,12 +102,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ---- process-group set-up and per-rank knobs ------------------------------------------------
@@ -196,7 +190,7 @@ def run_ranks(folder: Path, world_size: int, out_dir: Path) -> list[dict]:
     """Runs `_rank_main` in `world_size` spawned processes; their saved results in rank order."""
     torch.multiprocessing.start_processes(
         _rank_main,
-        args=(world_size, str(folder), free_port(), str(out_dir)),
+        args=(world_size, str(folder), find_free_port(), str(out_dir)),
         nprocs=world_size,
         join=True,
         start_method="spawn",

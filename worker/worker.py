@@ -9,13 +9,13 @@ from common.math_utils import cdiv
 from kernels import cpu_kernel_loader
 from kernels.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput
+from proto.engine_config import DEVICES
 from worker.cpu_features import default_cpu_dtype
 from worker.cpu_linear import pack_linears
 from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from worker.model_runner import ModelRunner
 from worker.parallel_state import init_distributed
 
-DEVICE_NAMES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 1024}
 """Step token budget when none is given, by device type. A CPU prefills slowly, so a step of
 thousands of tokens holds every running request for a long time; a smaller one returns a burst's
@@ -235,8 +235,8 @@ class Worker:
 def resolve_device(device: str, rank: int = 0) -> torch.device:
     """ "auto" -> cuda if available else cpu; "cuda" -> this rank's GPU; "cuda:N" as given."""
     name = device.split(":", 1)[0]
-    if name not in DEVICE_NAMES:
-        raise ValueError(f"device must be one of {DEVICE_NAMES} (or 'cuda:N'), got {device!r}")
+    if name not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES} (or 'cuda:N'), got {device!r}")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
