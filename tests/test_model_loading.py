@@ -326,16 +326,9 @@ def test_qkv_layer_replicates_kv_heads_when_ranks_outnumber_them():
 def test_the_tokenizers_eos_leads_the_models_eos_ids(tmp_path):
     """A chat model's turn-end token (tokenizer_config.json's eos_token) may be missing from
     config.json; the worker still lists it, first, as the tokenizer does."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 100,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "eos_token_id": [5, 9],
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64}
+    config |= {"intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [5, 9]}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 6}))
     tokenizer = {"added_tokens": [{"id": 9, "content": "<|im_end|>"}], "model": {"vocab": {}}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
