@@ -2,9 +2,10 @@
 
 The frontend (tokenizer) and the worker (config, weights) both read GGUF metadata at start-up.
 gguf-py's `GGUFReader` builds numpy views for every element of every array, about 100,000 for a
-49k-token vocabulary and its merges, which took 3-4 s per process for the default model; this
-reader parses the same metadata with `struct` in about 0.1 s. Tensor data is not read here:
-each `GGUFTensorInfo` gives its type and absolute file offset, for the worker to map lazily.
+49k-token vocabulary and its merges, a cost every process that reads the file pays at start-up;
+this reader parses the same metadata with `struct` and builds no views. Tensor data is not read
+here: each `GGUFTensorInfo` gives its type and absolute file offset, for the worker to map
+lazily.
 
 Format (GGUF v2 and v3, little-endian): magic `GGUF`, u32 version, u64 tensor count, u64
 metadata count; each metadata entry is a string key, a u32 value type and the value (an array is

@@ -1,4 +1,5 @@
-"""Attention and KV cache kernels: CUDA C via CuPy on GPUs, a torch reference everywhere."""
+"""Attention and KV cache kernels: CUDA C via CuPy on GPUs, C kernels on CPU (`cpu_backend`),
+a torch reference everywhere."""
 
 from kernels.attention import select_backend, write_kv_and_attend
 from kernels.attention_metadata import AttentionMetadata

@@ -22,8 +22,8 @@ import torch
 from kernels import cpu_kernel_loader, torch_reference
 from kernels.attention_metadata import AttentionMetadata
 
-# Above this many query tokens a request is faster through SDPA's blocked matmuls (the
-# crossover measured about 32 tokens at contexts of 300 to 2,000 here).
+# Above this many query tokens (more than a decode or a small chunk) a request is faster
+# through SDPA's blocked matmuls.
 SHORT_QUERY_MAX_TOKENS = 16
 # Where the kernel takes its bf16 fast path (bf16 model, AVX512_BF16) it takes every query:
 # split into tiles it beat SDPA at every prompt length measured (benchmarks/results).

@@ -1,7 +1,9 @@
 """Torch reference backend for paged attention: correct on any device, simple, not fast.
 
-This is the ground truth that the CUDA kernels are tested against, and the backend the engine
-uses on CPU.
+This is the ground truth that the CUDA and CPU C kernels are tested against. On CPU the engine
+uses `kernels/cpu_backend.py`, which sends queries too long for its C kernel to this module's
+SDPA prefill and falls back to this module wholly without the C kernels (no compiler,
+--enforce-eager) or for a cache they do not take (its dtype or head size).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def reshape_and_cache(
 # contexts is processed in pieces instead of materialising every request's KV at once.
 DECODE_GATHER_BYTES = 64 * 1024 * 1024
 # Every request of a decode chunk is padded to the chunk's longest; one shorter than this
-# fraction of it starts a new chunk instead (padding cost a mixed batch a third of its decode
-# attention time otherwise).
+# fraction of it starts a new chunk instead (otherwise one long request makes every short
+# request in its chunk attend over its padding).
 DECODE_MIN_FILL = 0.75
 
 
@@ -173,7 +175,8 @@ def _decode_chunk(
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache [N, block_size, H_kv, D] -> its blocks `block_ids` as [len * block_size, H_kv, D].
 
-    Rows of a 2-D view are copied whole (4x faster on CPU than indexing the 4-D cache)."""
+    Rows of a 2-D view are copied whole: one contiguous copy per block, much cheaper on CPU than
+    indexing the 4-D cache."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_ids)
     return rows.view(-1, num_kv_heads, head_dim)
@@ -203,8 +206,8 @@ def prefill_attention(
     else:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
-    # A leading batch dim keeps SDPA on its fused CPU kernel (3-D inputs take a slow path:
-    # 113 ms vs 27 ms for a 1,000-token causal prefill here).
+    # A leading batch dim keeps SDPA on its fused CPU kernel (3-D inputs take a much slower
+    # unfused path).
     result = F.scaled_dot_product_attention(
         q[None],
         k[None],

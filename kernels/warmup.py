@@ -2,7 +2,9 @@
 
 On CUDA this compiles (or loads from CuPy's disk cache) every kernel configuration the model's
 shapes need: cache write, prefill, decode unsplit and split, and the split merge, so that no
-request pays for NVRTC. On CPU it only exercises the torch reference (milliseconds).
+request pays for NVRTC. On CPU it runs the same batches through `cpu_backend`: its C kernels
+(built, or loaded from their disk cache, on first use) or, without them, the torch reference, so
+no request pays for building or loading the kernels.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_gpu_blocks_override: use exactly this many KV blocks instead of what workers measured.
     *_timeout_s: every wait for another process is bounded by one of these.
     max_frame_bytes: the engine core refuses larger frames from the frontend (and the client
-    larger frames from the core); the core <-> worker link is internal and unlimited.
+    larger frames from the core); the core <-> worker link is internal and has no frame limit
+    of its own below the pipe's payload cap (`MessagePipe`: 4 GiB - 1, a u32 length).
     """
 
     model: str | None = None

@@ -3,8 +3,9 @@
 The engine core and its workers are parent and children on one machine, so their link needs
 none of ZeroMQ's routing, reconnection or I/O threads. A ZeroMQ hop passes each message through
 an I/O thread on both sides, two extra thread wake-ups; a socketpair wakes the reader directly,
-which halves a round trip (47 against 90 µs on the 2-vCPU benchmark VM). It also reports a dead
-peer at once: a read sees end of file and a write fails, where ZeroMQ would wait forever.
+so no message pays for them (`scripts/bench_ipc.py` measures the core round trip this hop is
+part of). It also reports a dead peer at once: a read sees end of file and a write fails, where
+ZeroMQ would wait forever.
 
 Wire format, per message: an 8-byte header (payload length, u32 little-endian; type code, one
 byte; three zero bytes), then the payload. A message is the two frames `MessageEncoder` makes,

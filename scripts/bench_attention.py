@@ -444,7 +444,8 @@ def bench_prefill(
 
 
 def check_targets(decode: list[DecodeResult], prefill: list[PrefillResult]) -> list[dict]:
-    """The issue's targets, evaluated on this run."""
+    """The kernels' targets (decode bandwidth against the copy ceiling and against SDPA,
+    prefill against SDPA), evaluated on this run."""
     targets = []
     for result in decode:
         if result.label == "target: b64 ctx4k":

@@ -181,7 +181,7 @@ async def measure_raw_and_core(
     """The raw floor and `AsyncCoreClient` + a real engine core process with the null worker,
     measured in alternation (blocks of ROUND_TRIP_BLOCK round trips, then one burst each per
     repeat), so that both see the same machine: on a shared VM the latency of the same code
-    drifts by 2x from one minute to the next."""
+    drifts from one minute to the next."""
     client = AsyncCoreClient(config)
     await client.start()
     try:

@@ -1,8 +1,7 @@
 """The CPU worker's linears, three ways, on the default model's shapes: the project's bf16
 kernel (`kernels/cpu_bf16_matmul.c`, what a bf16 model runs), oneDNN's bf16 linear on
-pre-packed weights (what it ran before), and torch's weight-only int8 matmul
-(`aten._weight_int8pack_mm`, per-channel scales: the quantized option the performance issue
-asked to measure).
+pre-packed weights (the alternative the kernel has to beat), and torch's weight-only int8
+matmul (`aten._weight_int8pack_mm`, per-channel scales: the quantized alternative).
 
 Each timing runs the linears of all decoder layers in order (qkv, o, gate_up, down, 30 times
 for SmolLM2-135M), so the weights stream from memory as in a real step rather than sitting in

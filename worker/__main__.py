@@ -91,7 +91,8 @@ def _serve(worker, rank: int, pipe: MessagePipe, encoder: MessageEncoder) -> Non
 
 
 def _share_cpu_cores(config: EngineConfig, worker, world_size: int) -> None:
-    """A model worker on the CPU leaves one core to the frontend and engine core processes."""
+    """A CPU model worker shares the usable cores among the tensor-parallel ranks (see
+    `share_cpu_threads`)."""
     if config.is_null_model or getattr(worker.device, "type", None) != "cpu":
         return
     from worker.parallel_state import share_cpu_threads

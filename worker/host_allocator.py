@@ -2,15 +2,14 @@
 
 By default glibc serves blocks above a (self-adjusting) threshold of 128 KiB to 32 MiB with
 their own mmap, unmaps them on free, and trims the heap top above 128 KiB. A forward pass
-allocates and frees the same large activations in every layer, so each op's output came back
-as fresh pages: a page fault and a zeroed page for every 4 KiB written. On the 2-vCPU VM this
-project is measured on, that made elementwise ops on CPU 8-10x slower than their arithmetic
-(SiLU-and-mul of a 512-token step: 3.4 ms instead of 0.5 ms).
+allocates and frees the same large activations in every layer, so with those defaults each op's
+output comes back as fresh pages: a page fault and a zeroed page for every 4 KiB written, which
+costs a memory-bound elementwise op far more than its arithmetic.
 
 A worker is one long-lived process whose peak host memory is bounded by the step size, so
 keeping freed memory for reuse is the right trade; blocks above 32 MiB are still mapped and
-unmapped one by one, and at most 256 MiB of free heap is kept. Only the worker calls this: it changes the
-whole process's allocator, which is no library's business in a user's own process.
+unmapped one by one, and at most 256 MiB of free heap is kept. Only the worker calls this: it
+changes the whole process's allocator, which is no library's business in a user's own process.
 """
 
 from __future__ import annotations

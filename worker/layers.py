@@ -61,9 +61,9 @@ def residual_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
     float32 on CPU whatever the weights' dtype: with bf16 weights only the matmul inputs are
     rounded to bf16, and the sums of the residual stream stay exact enough for bf16 greedy
-    output to match float32's (tests/test_bf16_accuracy.py: with a float32 stream and a
-    float32 LM head 95% of its prompts match, with a bf16 stream 80%). It costs two [T, hidden] conversions per layer. On
-    CUDA the stream stays in the model's dtype, as in transformers and vLLM.
+    output to match float32's (tests/test_bf16_accuracy.py requires at least 90% of its prompts
+    to match; a bf16 stream does not get there). It costs two [T, hidden] conversions per layer.
+    On CUDA the stream stays in the model's dtype, as in transformers and vLLM.
     """
     return torch.float32 if torch.device(device).type == "cpu" else dtype
 
@@ -409,8 +409,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # Vocabulary rows per matmul of the LM head on CPU. One [N, hidden] x [vocab, hidden]^T product
-# streams the whole weight (113 MB for SmolLM2) once per block of N; slices that stay in L2 ran
-# 15-30% faster at N = 8..96 on the 2-core EPYC the benchmarks ran on.
+# streams the whole weight (113 MB for SmolLM2) once per block of N; a slice this size stays in
+# L2 while every row of x uses it, so each weight row is read from memory once per call instead
+# of once per block of N rows.
 CPU_LOGITS_ROWS_PER_MATMUL = 256
 
 
@@ -427,7 +428,7 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
 
     Packed for a CPU, it computes float32 logits whatever the model's dtype: bf16 logits are
     rounded to steps of 1/16 to 1/8 at typical magnitudes, enough to flip greedy choices
-    (tests/test_bf16_accuracy.py: 65% -> 80% of prompts matching float32 from this alone).
+    (tests/test_bf16_accuracy.py checks greedy agreement with float32).
     A bf16 weight on a CPU with AVX512_BF16 runs on `kernels.cpu_bf16_matmul` with float32
     output (the float32 logits of the bf16 operands, at bf16 speed); any other is packed for
     oneDNN in float32.

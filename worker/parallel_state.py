@@ -75,7 +75,7 @@ def share_cpu_threads(world_size: int) -> int:
     returns it; leaves torch alone when `OMP_NUM_THREADS` says what the user wants.
 
     The frontend and engine core processes sleep while a step runs, so the worker takes every
-    core: on 2 cores, 2 threads give the same throughput through `LLM` as in-process.
+    core.
     """
     if "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()
