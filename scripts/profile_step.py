@@ -126,6 +126,8 @@ def instrument(timer: PartTimer) -> None:
     timer.wrap(layers.ParallelLMHead, "compute_logits", PARTS[5])
     timer.wrap(sampler.Sampler, "__call__", PARTS[6])
     timer.wrap(model_runner.ModelRunner, "execute_model", FORWARD)
+    for attribute in ("schedule", "update_from_output"):
+        timer.wrap(Scheduler, attribute, PARTS[9])
     for attribute in ("_update_states", "_prepare_inputs"):
         timer.wrap(model_runner.ModelRunner, attribute, PARTS[8])
 
@@ -145,25 +147,47 @@ class MessageRoundTrip:
         self.decoder.decode(self.receiver.recv())
 
 
+class ProfiledExecutor:
+    """A local executor whose steps also pay what the worker process's link costs: the
+    `SchedulerOutput` and `ModelRunnerOutput` encoded, sent through a socketpair and decoded."""
+
+    def __init__(self, executor: LocalExecutor, timer: PartTimer) -> None:
+        self.executor = executor
+        self.timer = timer
+        self.ipc = MessageRoundTrip()
+        self.last_scheduler_output: SchedulerOutput | None = None
+
+    def wait_until_ready(self):
+        return self.executor.wait_until_ready()
+
+    def initialize_cache(self, num_gpu_blocks: int) -> None:
+        self.executor.initialize_cache(num_gpu_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.last_scheduler_output = scheduler_output
+        with self.timer.part(PARTS[10]):
+            self.ipc(scheduler_output)
+        output = self.executor.execute_model(scheduler_output)
+        with self.timer.part(PARTS[10]):
+            self.ipc(output)
+        return output
+
+
 def run_profiled(
-    scheduler: Scheduler, worker, requests: list[Request], timer: PartTimer
+    config: EngineConfig, executor: ProfiledExecutor, requests: list[Request], timer: PartTimer
 ) -> list[dict]:
-    """Steps the workload to the end; one record per step: kind, tokens, seconds per part."""
+    """Starts a fresh engine core over `executor` and steps the workload to the end with
+    `EngineCore.step`; one record per step: kind, tokens, seconds per part."""
+    engine_core, _ = start_engine_core(config, executor)
     for request in requests:
-        scheduler.add_request(request)
-    ipc = MessageRoundTrip()
+        engine_core.scheduler.add_request(request)
+    timer.take_step()  # start-up is not a step
     steps = []
-    while scheduler.has_unfinished_requests():
+    while True:
         start = time.perf_counter()
-        with timer.part(PARTS[9]):
-            scheduler_output = scheduler.schedule()
-        with timer.part(PARTS[10]):
-            ipc(scheduler_output)
-        output: ModelRunnerOutput = worker.execute_model(scheduler_output)
-        with timer.part(PARTS[10]):
-            ipc(output)
-        with timer.part(PARTS[9]):
-            scheduler.update_from_output(scheduler_output, output)
+        if engine_core.step() is None:
+            return steps
+        scheduler_output = executor.last_scheduler_output
         counts = scheduler_output.num_scheduled_tokens.values()
         steps.append(
             {
@@ -174,7 +198,6 @@ def run_profiled(
                 "parts": dict(timer.take_step()),
             }
         )
-    return steps
 
 
 def summarize(steps: list[dict], kind: str) -> dict:
@@ -275,21 +298,19 @@ def main() -> None:
     machine = machine_info()
     keep_freed_memory()  # the worker process's allocator settings (worker/__main__.py)
     config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, max_num_seqs=256)
-    worker = LocalExecutor(config).worker
+    executor = LocalExecutor(config)
+    worker = executor.worker
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     (workload,) = build_workloads(shape, tokenizer.encode, args.seed, ["mixed"], None)
-    scheduler_config = start_engine_core(config, LocalExecutor(config, worker))[0].scheduler.config
     timer = PartTimer()
     instrument(timer)
+    profiled = ProfiledExecutor(executor, timer)
     for _ in range(2):  # the first run warms up allocations and kernel builds
-        worker.initialize_cache(scheduler_config.num_gpu_blocks)
         start = time.perf_counter()
-        steps = run_profiled(
-            Scheduler(scheduler_config), worker, make_requests(workload, worker.block_size), timer
-        )
+        steps = run_profiled(config, profiled, make_requests(workload, worker.block_size), timer)
         elapsed_s = time.perf_counter() - start
     result = {
         "benchmark": "profile_step",
