@@ -20,10 +20,10 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from common.eos_tokens import gguf_eos_token_ids, hf_eos_token_ids
 from common.gguf_file import GGUFFile
+from common.json_file import read_json
 from common.model_files import (
-    GENERATION_CONFIG_FILE_NAME,
-    HF_CONFIG_FILE_NAME,
     TOKENIZER_CONFIG_FILE_NAME,
     TOKENIZER_FILE_NAME,
     is_gguf_file,
@@ -183,16 +183,12 @@ def load_hf_tokenizer(folder: Path) -> Tokenizer:
         )
         raise FileNotFoundError(f"model folder {str(folder)!r} has no {TOKENIZER_FILE_NAME}{hint}")
     backend = BackendTokenizer.from_file(str(tokenizer_path))
-    config = _read_json(folder / TOKENIZER_CONFIG_FILE_NAME)
+    config = read_json(folder / TOKENIZER_CONFIG_FILE_NAME)
     special_tokens = {
         name: _token_content(config.get(name))
         for name in ("bos_token", "eos_token", "unk_token", "pad_token")
     }
-    eos_token_ids = _unique_ids(
-        [backend.token_to_id(special_tokens["eos_token"]) if special_tokens["eos_token"] else None]
-        + _as_list(_read_json(folder / GENERATION_CONFIG_FILE_NAME).get("eos_token_id"))
-        + _as_list(_read_json(folder / HF_CONFIG_FILE_NAME).get("eos_token_id"))
-    )
+    eos_token_ids = hf_eos_token_ids(folder)
     return Tokenizer(
         backend,
         special_tokens=special_tokens,
@@ -210,7 +206,8 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     Raises ValueError for other tokenizer models, and for a `tokenizer.ggml.pre` whose split
     rules are unknown.
     """
-    field = GGUFFile(path).field
+    gguf_file = GGUFFile(path)
+    field = gguf_file.field
     tokenizer_model = field("tokenizer.ggml.model")
     tokens = field("tokenizer.ggml.tokens")
     token_types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -259,9 +256,7 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         ),
         eos=special_tokens["eos_token"] if field("tokenizer.ggml.add_eos_token", False) else None,
     )
-    eos_token_ids = _unique_ids(
-        [field(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    )
+    eos_token_ids = gguf_eos_token_ids(gguf_file)
     return Tokenizer(
         backend,
         special_tokens=special_tokens,
@@ -433,7 +428,7 @@ def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     template_path = folder / CHAT_TEMPLATE_FILE_NAME
     if template_path.is_file():
         return template_path.read_text(encoding="utf-8")
-    template = _read_json(folder / CHAT_TEMPLATE_JSON_FILE_NAME).get("chat_template")
+    template = read_json(folder / CHAT_TEMPLATE_JSON_FILE_NAME).get("chat_template")
     if template is None:
         template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
@@ -442,24 +437,7 @@ def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{str(path)!r} is not valid JSON: {error}") from error
-
-
 def _token_content(value: str | dict | None) -> str | None:
     if isinstance(value, dict):  # a serialized AddedToken
         return value.get("content")
     return value
-
-
-def _as_list(value: int | list[int] | None) -> list[int | None]:
-    return list(value) if isinstance(value, list) else [value]
-
-
-def _unique_ids(token_ids: list[int | None]) -> list[int]:
-    return list(dict.fromkeys(int(token_id) for token_id in token_ids if token_id is not None))

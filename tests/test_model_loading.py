@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.eos_tokens import tokenizer_eos_token_id
 from common.model_files import default_model_path, resolve_model_path
 from tests.model_fixtures import build_tiny_model_folder
 from worker.layers import (
@@ -325,7 +326,8 @@ def test_qkv_layer_replicates_kv_heads_when_ranks_outnumber_them():
 
 def test_the_tokenizers_eos_leads_the_models_eos_ids(tmp_path):
     """A chat model's turn-end token (tokenizer_config.json's eos_token) may be missing from
-    config.json; the worker still lists it, first, as the tokenizer does."""
+    config.json; the worker still lists it, first, then generation_config's and config.json's
+    ids, exactly as the tokenizer does (common/eos_tokens.py is their one reader)."""
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64}
     config |= {"intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
     (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [5, 9]}))
@@ -333,12 +335,15 @@ def test_the_tokenizers_eos_leads_the_models_eos_ids(tmp_path):
     tokenizer = {"added_tokens": [{"id": 9, "content": "<|im_end|>"}], "model": {"vocab": {}}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    assert load_model_config(tmp_path).eos_token_ids == (9, 5, 6)
+    assert load_model_config(tmp_path).eos_token_ids == (9, 6, 5)
     tokenizer = {"added_tokens": [], "model": {"vocab": {"</s>": 3}}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": {"content": "</s>", "special": True}})
     )
-    assert load_model_config(tmp_path).eos_token_ids == (3, 5, 9, 6)
+    assert load_model_config(tmp_path).eos_token_ids == (3, 6, 5, 9)
+    unigram = {"added_tokens": [], "model": {"vocab": [["<unk>", 0.0], ["</s>", 0.0]]}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(unigram))
+    assert tokenizer_eos_token_id(tmp_path) == 1
     (tmp_path / "tokenizer_config.json").unlink()
-    assert load_model_config(tmp_path).eos_token_ids == (5, 9, 6)
+    assert load_model_config(tmp_path).eos_token_ids == (6, 5, 9)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.eos_tokens import gguf_eos_token_ids
 from common.gguf_file import GGUFFile, GGUFTensorInfo
 from worker.model_config import ModelConfig, model_config_from_dicts
 
@@ -115,11 +116,7 @@ def gguf_to_hf_config(gguf_file: GGUFFile) -> tuple[dict[str, Any], dict[str, An
     }
     generation_config = {
         "bos_token_id": gguf_file.field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": [
-            token_id
-            for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-            if (token_id := gguf_file.field(f"tokenizer.ggml.{key}")) is not None
-        ],
+        "eos_token_id": list(gguf_eos_token_ids(gguf_file)),
     }
     return hf_config, generation_config
 

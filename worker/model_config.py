@@ -7,16 +7,15 @@ check lives here once.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from common.eos_tokens import hf_eos_token_ids
+from common.json_file import read_json
 from common.model_files import (
     GENERATION_CONFIG_FILE_NAME,
     HF_CONFIG_FILE_NAME,
-    TOKENIZER_CONFIG_FILE_NAME,
-    TOKENIZER_FILE_NAME,
     is_gguf_file,
 )
 
@@ -114,39 +113,11 @@ def load_model_config(path: Path) -> ModelConfig:
             f"model folder {str(path)!r} has no {HF_CONFIG_FILE_NAME}; expected a Hugging Face "
             "folder or a .gguf file"
         )
-    hf_config = _read_json(config_path)
-    generation_path = path / GENERATION_CONFIG_FILE_NAME
-    generation_config = _read_json(generation_path) if generation_path.is_file() else {}
+    hf_config = read_json(config_path)
+    generation_config = read_json(path / GENERATION_CONFIG_FILE_NAME)
     config = model_config_from_dicts(hf_config, generation_config)
-    turn_end_id = tokenizer_eos_token_id(path)
-    if turn_end_id is None:
-        return config
-    others = tuple(t for t in config.eos_token_ids if t != turn_end_id)
-    return replace(config, eos_token_ids=(turn_end_id, *others))
-
-
-def tokenizer_eos_token_id(folder: Path) -> int | None:
-    """The id of tokenizer_config.json's `eos_token` (found in tokenizer.json's added tokens or
-    its model's vocabulary), or None. Chat models end a turn with it, and config.json may not
-    list it; it leads the model's eos ids, as it leads the tokenizer's, so it is the eos that
-    finishes a request without a stop reason."""
-    tokenizer_config_path = folder / TOKENIZER_CONFIG_FILE_NAME
-    tokenizer_path = folder / TOKENIZER_FILE_NAME
-    if not (tokenizer_config_path.is_file() and tokenizer_path.is_file()):
-        return None
-    eos_token = _read_json(tokenizer_config_path).get("eos_token")
-    if isinstance(eos_token, dict):  # a serialized AddedToken
-        eos_token = eos_token.get("content")
-    if not eos_token:
-        return None
-    tokenizer = _read_json(tokenizer_path)
-    for added in tokenizer.get("added_tokens", []):
-        if added.get("content") == eos_token:
-            return int(added["id"])
-    vocab = tokenizer.get("model", {}).get("vocab")
-    if isinstance(vocab, dict) and eos_token in vocab:
-        return int(vocab[eos_token])
-    return None
+    # The tokenizer's view of the eos ids (its own eos first), the one the frontend shares.
+    return replace(config, eos_token_ids=hf_eos_token_ids(path))
 
 
 def model_config_from_dicts(
@@ -183,14 +154,6 @@ def model_config_from_dicts(
         eos_token_ids=_eos_token_ids(hf_config, generation_config),
         torch_dtype=hf_config.get("dtype") or hf_config.get("torch_dtype"),
     )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{str(path)!r} is not valid JSON: {error}") from error
 
 
 def _architecture(hf_config: dict[str, Any]) -> str:
