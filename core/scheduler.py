@@ -324,25 +324,25 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """Sets a finished status if the request's last token ends it.
 
-        Length limits first (max_tokens, max_model_len); below min_tokens nothing else stops
-        the request; then eos (unless ignore_eos) and stop_token_ids.
+        From min_tokens on, eos (unless ignore_eos) and stop_token_ids first, as in the seeds'
+        `check_stop`: a request whose last allowed token is eos finished because of the eos.
+        Then the length limits (max_tokens, max_model_len).
         """
         params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            last_token_id = request.output_token_ids[-1]
+            if not params.ignore_eos and last_token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
         max_tokens = request.max_tokens
         if request.num_tokens >= self.max_model_len or (
             max_tokens is not None and request.num_output_tokens >= max_tokens
         ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        if request.num_output_tokens < params.min_tokens:
-            return False
-        last_token_id = request.output_token_ids[-1]
-        if not params.ignore_eos and last_token_id == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if last_token_id in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last_token_id
             return True
         return False
 

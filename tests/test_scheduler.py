@@ -185,6 +185,20 @@ def test_stop_on_eos_unless_ignore_eos_and_not_before_min_tokens():
     assert finished["min"] == {"tokens": [7, 7, 7, 7], "reason": FinishReason.STOP}
 
 
+def test_a_last_allowed_token_that_ends_the_request_is_a_stop_not_a_length_cap():
+    """As in the seeds' check_stop: eos and stop tokens are checked before the length limits."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("eos", [1, 2], eos_token_id=7, max_tokens=1))
+    scheduler.add_request(make_request("stop", [1, 2], stop_token_ids=[7], max_tokens=1))
+    scheduler.add_request(make_request("min", [1, 2], eos_token_id=7, max_tokens=2, min_tokens=2))
+    scheduler.add_request(make_request("other", [1, 2], eos_token_id=8, max_tokens=1))
+    finished = run_to_completion(scheduler, lambda r: 7)
+    assert finished["eos"] == {"tokens": [7], "reason": FinishReason.STOP}
+    assert finished["stop"] == {"tokens": [7], "reason": FinishReason.STOP}
+    assert finished["min"] == {"tokens": [7, 7], "reason": FinishReason.STOP}
+    assert finished["other"] == {"tokens": [7], "reason": FinishReason.LENGTH}
+
+
 def test_stop_token_ids_set_stop_reason():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", [1], stop_token_ids=[5], max_tokens=10))
