@@ -148,8 +148,8 @@ class AsyncEngineClient:
         self.check_prompt_length(len(prompt_token_ids), params.max_tokens)
         try:
             params.check_vocabulary(self._core.ready.vocab_size)
-        except ValueError as exc:
-            raise InvalidPromptError(str(exc), param="stop_token_ids") from None
+        except ValueError as exc:  # the message starts with the field's name
+            raise InvalidPromptError(str(exc), param=str(exc).split()[0]) from None
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._raise_if_running(request_id)
         processor = OutputProcessor(

@@ -28,7 +28,8 @@ class StreamOptions(OpenAIModel):
 
 
 class SamplingFields(OpenAIModel):
-    """Fields shared by both endpoints: OpenAI's, then vLLM's extras (top_k ... skip_special_tokens)."""
+    """Fields shared by both endpoints: OpenAI's, then vLLM's extras (repetition_penalty,
+    top_k ... skip_special_tokens)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -40,6 +41,7 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     top_k: int | None = Field(None, ge=-1)
@@ -49,18 +51,12 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[NonNegativeInt] | None = None
     skip_special_tokens: bool = True
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _reject_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError(f"penalties are not supported by this server; must be 0, got {value}")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _reject_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _check_logit_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 
     @field_validator("stop")
@@ -91,6 +87,10 @@ class SamplingFields(OpenAIModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             **{name: value for name, value in optional.items() if value is not None},
         )
 

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 import msgspec
 
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0
 # Bounds that keep every field inside the worker's int64 sampling tensors and msgpack.
 MAX_TOP_K = 2**31 - 1
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
@@ -36,6 +39,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Messages are formatted only on failure: this runs in every process a request crosses.
@@ -72,17 +79,45 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                 f"seed must be in [{MIN_SEED}, {MAX_SEED - (self.n - 1)}] (choice i of n uses "
                 f"seed + i), got {self.seed}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
+                f"{self.repetition_penalty}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to biases in [-{MAX_LOGIT_BIAS}, "
+                    f"{MAX_LOGIT_BIAS}], got {token_id}: {bias}"
+                )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """ValueError for a stop token id the model cannot produce; the engine checks this where
-        it learns the vocabulary size (the engine core, and the frontend before sending)."""
-        if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
-            raise ValueError(
-                f"stop_token_ids must be below the vocabulary size {vocab_size}, got "
-                f"{max(self.stop_token_ids)}"
-            )
+        """ValueError for a stop or biased token id the model cannot produce; the engine checks
+        this where it learns the vocabulary size (the engine core, and the frontend before
+        sending)."""
+        for name, token_ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias),
+        ):
+            if token_ids and max(token_ids) >= vocab_size:
+                raise ValueError(
+                    f"{name} must name token ids below the vocabulary size {vocab_size}, got "
+                    f"{max(token_ids)}"
+                )
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def is_greedy(self) -> bool:

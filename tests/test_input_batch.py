@@ -123,3 +123,19 @@ def test_stop_tokens_banned_until_min_tokens():
     assert meta.banned_token_ids == {0: [9, 2]}
     batch.append_token_ids(row, [4, 5])
     assert batch.sampling_metadata(np.array([row])).banned_token_ids == {}
+
+
+def test_penalties_and_logit_bias_carry_each_rows_own_tokens():
+    batch = make_batch()
+    plain = batch.add_request(make_state("plain", [1, 2], [1]))
+    row = batch.add_request(
+        make_state("penalized", [3, 4, 4], [1], frequency_penalty=0.5, logit_bias={6: 2.0, 8: -1.0})
+    )
+    batch.append_token_ids(row, [9, 9])
+    meta = batch.sampling_metadata(np.array([row, plain]))
+    assert list(meta.penalties) == [0] and list(meta.logit_bias) == [0]
+    penalty = meta.penalties[0]
+    assert (penalty.presence, penalty.frequency, penalty.repetition) == (0.0, 0.5, 1.0)
+    assert penalty.prompt_token_ids.tolist() == [3, 4, 4]
+    assert penalty.output_token_ids.tolist() == [9, 9]
+    assert meta.logit_bias[0] == ([6, 8], [2.0, -1.0])

@@ -62,7 +62,9 @@ def test_generate_rejects_bad_input_before_running_anything(llm):
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 256\)"):
         llm.generate([[1, 99999]], use_tqdm=False)
     params = SamplingParams(min_tokens=1, stop_token_ids=[32000])
-    with pytest.raises(ValueError, match="stop_token_ids must be below the vocabulary size 32000"):
+    with pytest.raises(
+        ValueError, match="stop_token_ids must name token ids below the vocabulary size 32000"
+    ):
         llm.generate([[1, 2]], params, use_tqdm=False)
     assert llm._client.get_stats().num_waiting_reqs == 0
     assert llm._client.get_stats().num_running_reqs == 0

@@ -350,7 +350,10 @@ def test_invalid_parameters_answer_400_naming_the_parameter(server):
         ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
         ({"prompt": [1, 2, 10**6]}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"40000": 1}}, "logit_bias"),
         ({"prompt": "x", "min_tokens": 1, "stop_token_ids": [10**6]}, "stop_token_ids"),
         ({"prompt": "x", "top_k": 2**63}, "top_k"),
     ):

@@ -114,6 +114,11 @@ def test_sampling_params_validation_names_value_and_limit(kwargs, message):
         ({"top_k": 2**63}, f"top_k must be at most {2**31 - 1}"),
         ({"seed": 2**64}, r"seed must be in \[-9223372036854775808, 9223372036854775807\]"),
         ({"seed": 2**63 - 2, "n": 3}, r"seed must be in \[.*, 9223372036854775805\]"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2.0, 2.0\], got 2.5"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be in"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, 10.0\], got 0.0"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias maps token ids >= 0 to biases in"),
+        ({"logit_bias": {-1: 1.0}}, "got -1: 1.0"),
     ],
 )
 def test_sampling_params_stay_inside_what_the_worker_and_the_wire_can_carry(kwargs, message):
@@ -128,8 +133,12 @@ def test_sampling_params_stay_inside_what_the_worker_and_the_wire_can_carry(kwar
 def test_stop_token_ids_are_checked_against_the_vocabulary():
     SamplingParams(stop_token_ids=[0, 99]).check_vocabulary(100)
     SamplingParams().check_vocabulary(1)
-    with pytest.raises(ValueError, match="stop_token_ids must be below the vocabulary size 100"):
+    with pytest.raises(
+        ValueError, match="stop_token_ids must name token ids below the vocabulary size 100"
+    ):
         SamplingParams(stop_token_ids=[5, 100]).check_vocabulary(100)
+    with pytest.raises(ValueError, match="logit_bias must name token ids below the vocabulary"):
+        SamplingParams(logit_bias={100: 1.0}).check_vocabulary(100)
 
 
 def test_sampling_params_normalisation():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from worker.sampler import Sampler, SamplingMetadata
+from worker.sampler import RowPenalties, Sampler, SamplingMetadata, _apply_penalties
 
 CPU = torch.device("cpu")
 VOCAB = 50
@@ -164,3 +164,54 @@ def test_extreme_logits_give_valid_tokens():
     logits[:, 7] = 0.0
     out = Sampler(CPU)(logits, make_metadata(4, top_p=0.1, min_p=0.9, top_k=1))
     assert out.sampled_token_ids.tolist() == [7, 7, 7, 7]
+
+
+def reference_penalized(
+    logits: torch.Tensor, prompt: list[int], output: list[int], presence, frequency, repetition
+) -> torch.Tensor:
+    """OpenAI's and vLLM's penalty definitions, token by token."""
+    expected = logits.clone()
+    for token in set(prompt) | set(output):
+        value = float(expected[token])
+        expected[token] = value / repetition if value > 0 else value * repetition
+    for token in set(output):
+        expected[token] -= frequency * output.count(token) + presence
+    return expected
+
+
+@pytest.mark.parametrize(
+    ("presence", "frequency", "repetition"),
+    [(0.5, 0.0, 1.0), (0.0, 0.7, 1.0), (0.0, 0.0, 1.3), (1.0, 0.5, 0.8), (-0.5, -1.0, 1.0)],
+)
+def test_penalties_match_a_direct_reference_and_touch_only_their_row(
+    presence, frequency, repetition
+):
+    logits = random_logits(3, seed=4) * 3
+    prompt, output = [1, 2, 3, 3], [3, 5, 5, 5, 7]
+    penalties = {
+        1: RowPenalties(presence, frequency, repetition, torch.tensor(prompt), torch.tensor(output))
+    }
+    metadata = make_metadata(3, temperature=0.0, num_logprobs=[None, 0, None])
+    metadata.penalties = penalties
+    processed = logits.clone()
+    _apply_penalties(processed, penalties)
+    expected = reference_penalized(logits[1], prompt, output, presence, frequency, repetition)
+    torch.testing.assert_close(processed[1], expected)
+    assert torch.equal(processed[0::2], logits[0::2])
+    out = Sampler(CPU)(logits, metadata)
+    assert out.sampled_token_ids.tolist() == processed.argmax(dim=-1).tolist()
+    # Logprobs stay those of the model's raw logits, as in vLLM.
+    assert out.logprobs[1].sampled_logprob == pytest.approx(
+        float(torch.log_softmax(logits[1], -1)[out.sampled_token_ids[1]])
+    )
+
+
+def test_logit_bias_can_force_or_forbid_a_token():
+    logits = random_logits(2, seed=5)
+    metadata = make_metadata(2, temperature=0.0)
+    best = int(logits[0].argmax())
+    metadata.logit_bias = {0: ([7], [100.0]), 1: ([int(logits[1].argmax())], [-100.0])}
+    sampled = Sampler(CPU)(logits, metadata).sampled_token_ids.tolist()
+    assert sampled[0] == 7
+    assert sampled[1] == int(logits[1].topk(2).indices[1])
+    assert best == int(logits[0].argmax())  # the caller's logits are not changed

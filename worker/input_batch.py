@@ -11,7 +11,7 @@ import torch
 from common.math_utils import cdiv
 from proto import SamplingParams
 from worker.block_table import BlockTable
-from worker.sampler import SamplingMetadata
+from worker.sampler import RowPenalties, SamplingMetadata
 
 
 @dataclass(slots=True)
@@ -148,6 +148,29 @@ class InputBatch:
             },
             num_logprobs=[p.logprobs if p is not None else None for p in params],
             banned_token_ids=self._banned_token_ids(row_list, params),
+            logit_bias={
+                i: (list(p.logit_bias), list(p.logit_bias.values()))
+                for i, p in enumerate(params)
+                if p is not None and p.logit_bias
+            },
+            penalties={
+                i: self._row_penalties(row, p)
+                for i, (row, p) in enumerate(zip(row_list, params, strict=True))
+                if p is not None and p.has_penalties
+            },
+        )
+
+    def _row_penalties(self, row: int, params: SamplingParams) -> RowPenalties:
+        num_prompt_tokens, num_tokens = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
+        token_ids = self.token_ids[row]
+        return RowPenalties(
+            presence=params.presence_penalty,
+            frequency=params.frequency_penalty,
+            repetition=params.repetition_penalty,
+            prompt_token_ids=self._to_device(token_ids[:num_prompt_tokens].astype(np.int64)),
+            output_token_ids=self._to_device(
+                token_ids[num_prompt_tokens:num_tokens].astype(np.int64)
+            ),
         )
 
     def _banned_token_ids(

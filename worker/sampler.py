@@ -1,4 +1,5 @@
-"""Token sampling over a batch: greedy, temperature, min-p, top-k, top-p, seeds, logprobs."""
+"""Token sampling over a batch: logit bias, penalties, greedy, temperature, min-p, top-k, top-p,
+seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ _MIN_EXPONENTIAL = 1e-10
 
 
 @dataclass(slots=True)
+class RowPenalties:
+    """One row's penalties, as OpenAI and vLLM define them: `frequency` times how often a token
+    was generated and `presence` once if it was are subtracted from its logit; a token seen in
+    the prompt or the output has a positive logit divided by `repetition`, a negative one
+    multiplied by it."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    prompt_token_ids: torch.Tensor  # int64 [P], on the logits' device
+    output_token_ids: torch.Tensor  # int64 [O]
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     """Per-row sampling parameters of the N rows of a logits tensor, all on the logits' device.
 
@@ -21,6 +36,8 @@ class SamplingMetadata:
     request has a seed: a seeded row's draws depend only on that generator and that row's logits.
     `num_logprobs[i]` is the number of top logprobs row i wants, or None for no logprobs.
     `banned_token_ids[i]` lists tokens row i must not sample this step (eos before min_tokens).
+    `logit_bias[i]` is (token ids, biases) added to row i's logits; `penalties[i]` row i's
+    presence, frequency and repetition penalties with its prompt and output tokens so far.
     """
 
     temperature: torch.Tensor
@@ -30,6 +47,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     num_logprobs: list[int | None] = field(default_factory=list)
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    penalties: dict[int, RowPenalties] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -47,9 +66,10 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of float32 logits [N, vocab].
 
-    Order of operations per row: banned tokens masked; greedy rows take the argmax; other rows
-    divide by temperature, drop tokens below `min_p * max_prob`, keep the `top_k` most likely,
-    keep the smallest prefix of those whose mass reaches `top_p`, then sample from what is left.
+    Order of operations per row: logit bias added, penalties applied, banned tokens masked;
+    greedy rows take the argmax; other rows divide by temperature, drop tokens below
+    `min_p * max_prob`, keep the `top_k` most likely, keep the smallest prefix of those whose
+    mass reaches `top_p`, then sample from what is left.
     Logprobs are `log_softmax` of the logits as given (before temperature and filters); rank is
     1 + the number of tokens with a strictly higher logprob.
     """
@@ -61,6 +81,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = _log_softmax_if_needed(logits, metadata)
+        if metadata.logit_bias or metadata.penalties:
+            logits = logits.clone()
+            _add_logit_bias(logits, metadata.logit_bias)
+            _apply_penalties(logits, metadata.penalties)
         logits = _mask_banned(logits, metadata.banned_token_ids)
         sampled = logits.argmax(dim=-1)
         is_greedy = metadata.temperature == 0.0
@@ -93,6 +117,31 @@ def _log_softmax_if_needed(logits: torch.Tensor, metadata: SamplingMetadata) -> 
     if all(n is None for n in metadata.num_logprobs):
         return None
     return torch.log_softmax(logits, dim=-1)
+
+
+def _add_logit_bias(
+    logits: torch.Tensor, logit_bias: dict[int, tuple[list[int], list[float]]]
+) -> None:
+    for row, (token_ids, biases) in logit_bias.items():
+        logits[row, token_ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+
+
+def _apply_penalties(logits: torch.Tensor, penalties: dict[int, RowPenalties]) -> None:
+    """In place, one row at a time: only rows that asked for a penalty pay for one."""
+    vocab_size = logits.shape[-1]
+    for row, penalty in penalties.items():
+        row_logits = logits[row]
+        if penalty.repetition != 1.0:
+            seen = torch.zeros(vocab_size, dtype=torch.bool, device=logits.device)
+            seen[penalty.prompt_token_ids] = True
+            seen[penalty.output_token_ids] = True
+            penalized = torch.where(
+                row_logits > 0, row_logits / penalty.repetition, row_logits * penalty.repetition
+            )
+            row_logits.copy_(torch.where(seen, penalized, row_logits))
+        if penalty.frequency != 0.0 or penalty.presence != 0.0:
+            counts = torch.bincount(penalty.output_token_ids, minlength=vocab_size)[:vocab_size]
+            row_logits -= penalty.frequency * counts + penalty.presence * (counts > 0)
 
 
 def _mask_banned(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -> torch.Tensor:
