@@ -50,6 +50,7 @@ class SamplingFields(OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[NonNegativeInt] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -87,6 +88,7 @@ class SamplingFields(OpenAIModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

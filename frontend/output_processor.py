@@ -226,6 +226,8 @@ class OutputProcessor:
         if match is None:
             return False
         position, stop_string = match
+        if params.include_stop_str_in_output:
+            position += len(stop_string)
         choice.text = choice.text[:position]
         choice.finish_reason = str(FinishReason.STOP)
         choice.stop_reason = stop_string
@@ -240,8 +242,10 @@ class OutputProcessor:
 
     def _take_delta(self, choice: ChoiceState) -> CompletionOutput | None:
         num_sendable_chars = len(choice.text)
-        if not choice.finished:
-            num_sendable_chars -= num_stop_prefix_chars(choice.text, self.sampling_params.stop)
+        params = self.sampling_params
+        if not choice.finished and not params.include_stop_str_in_output:
+            # What may become a stop string is held back; included, it is sent either way.
+            num_sendable_chars -= num_stop_prefix_chars(choice.text, params.stop)
         num_sendable_chars = max(num_sendable_chars, choice.num_sent_chars)
         has_news = (
             num_sendable_chars > choice.num_sent_chars

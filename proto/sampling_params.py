@@ -43,6 +43,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Messages are formatted only on failure: this runs in every process a request crosses.

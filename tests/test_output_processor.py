@@ -67,6 +67,19 @@ def test_stop_string_is_cut_from_the_text_and_the_core_request_aborted():
     assert final.outputs[0].token_ids == TOKENIZER.encode("hello STOP")
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_holds_nothing_back():
+    processor = make_processor(stop=["STOP"], max_tokens=50, include_stop_str_in_output=True)
+    deltas = []
+    for char in "hi ST":
+        processor.process(core_output("req", char))
+        deltas.append(processor.make_delta_output().outputs[0].text)
+    assert deltas == ["h", "i", " ", "S", "T"]
+    aborts = feed_text(processor, "req", "OP more")
+    assert aborts.index(True) == 1
+    final = processor.make_final_output().outputs[0]
+    assert (final.text, final.finish_reason, final.stop_reason) == ("hi STOP", "stop", "STOP")
+
+
 def test_streamed_deltas_hold_back_a_possible_stop_prefix_and_never_leak_it():
     processor = make_processor(stop=["</s>"], max_tokens=50)
     deltas = []
