@@ -562,7 +562,10 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
     names = [part for part in first.get("loc", ()) if isinstance(part, str) and part != "body"]
     param = names[0] if names else None
     where = ".".join(location)
-    message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        message = "unrecognized request argument: this server neither implements nor ignores it"
+    else:
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return APIError(400, f"{where}: {message}" if where else message, param=param)
 
 

@@ -2,16 +2,26 @@
 
 Requests validate their own bounds, so a bad value is reported with the field's name and its
 limit; `to_sampling_params` turns a valid request into the engine's `SamplingParams`.
-Unknown fields are ignored, as OpenAI-compatible servers commonly do.
+
+Every field either works or is refused: an unknown field is a 400 naming it (as OpenAI's own API
+answers), a known field this server does not implement is accepted only at its neutral value
+(`NOT_SUPPORTED`), and the few accepted without effect are listed in `IGNORED` with the reason.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from proto import SamplingParams
 from proto.sampling_params import MAX_LOGPROBS
@@ -19,8 +29,59 @@ from proto.sampling_params import MAX_LOGPROBS
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
+# Fields of OpenAI's and vLLM's request APIs that this server does not implement, with the
+# values that ask for nothing (accepted); any other value is refused with a 400 naming the field.
+NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None, []),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "modalities": (None, ["text"]),
+}
+CHAT_NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+}
+# Accepted and without effect here, and why.
+IGNORED = {
+    "user": "an end-user id for OpenAI's abuse monitoring; nothing to monitor here",
+    "metadata": "tags for OpenAI's stored completions; nothing is stored",
+    "store": "OpenAI's storage of completions; nothing is stored",
+    "service_tier": "OpenAI's processing tiers; one tier here",
+    "parallel_tool_calls": "only meaningful with tools, which are refused",
+}
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+
+def _refuse_unless_neutral(value: Any, field: str, neutral: tuple[Any, ...]) -> Any:
+    if any(value == allowed for allowed in neutral):
+        return value
+    accepted = "leave it out" if neutral == (None,) else f"accepted only as {neutral[-1]!r}"
+    raise ValueError(f"{field} is not supported by this server ({accepted})")
 
 
 class StreamOptions(OpenAIModel):
@@ -51,6 +112,38 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[NonNegativeInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    modalities: Any = None
+
+    @field_validator(*NOT_SUPPORTED)
+    @classmethod
+    def _refuse_not_supported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_neutral(value, info.field_name, NOT_SUPPORTED[info.field_name])
 
     @field_validator("logit_bias")
     @classmethod
@@ -148,6 +241,21 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: Any = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _refuse_tool_calls(cls, value: Any) -> Any:
+        return _refuse_unless_neutral(value, "tool_calls", (None, []))
+
+    def for_template(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -164,6 +272,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    echo: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+
+    @field_validator(*CHAT_NOT_SUPPORTED)
+    @classmethod
+    def _refuse_chat_not_supported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_neutral(value, info.field_name, CHAT_NOT_SUPPORTED[info.field_name])
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
@@ -176,7 +294,9 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template sees them: role and text, plus a name or a tool
+        call id where the message has one."""
+        return [m.for_template() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

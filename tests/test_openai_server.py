@@ -365,6 +365,31 @@ def test_invalid_parameters_answer_400_naming_the_parameter(server):
     assert response.json()["error"]["param"] == "messages"
 
 
+def test_fields_not_implemented_or_unknown_answer_400_and_neutral_ones_work(server, client):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra, param in (
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"temprature": 0.5}, "temprature"),
+    ):
+        response = post(server, "/v1/chat/completions", {**chat, **extra})
+        assert response.status_code == 400, extra
+        error = response.json()["error"]
+        assert error["param"] == param and param in error["message"], error
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=chat["messages"],
+        max_tokens=2,
+        response_format={"type": "text"},
+        tool_choice="none",
+        user="someone",
+        extra_body={"use_beam_search": False},
+    )
+    assert response.choices[0].finish_reason == "length"
+
+
 def test_bad_api_key_answers_401_and_unknown_model_404(server, client):
     with pytest.raises(openai.AuthenticationError) as auth_error:
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong").models.list()

@@ -1,0 +1,121 @@
+"""Request models of the OpenAI server: every field either works or is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from frontend.openai_protocol import (
+    CHAT_NOT_SUPPORTED,
+    IGNORED,
+    NOT_SUPPORTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+REFUSED_VALUES = {
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "required",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "structured_outputs": {"json": {}},
+    "guided_json": {"type": "object"},
+    "guided_regex": "a+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= 'a'",
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "prompt_logprobs": 1,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "bad_words": ["x"],
+    "allowed_token_ids": [1, 2],
+    "truncate_prompt_tokens": 10,
+    "logits_processors": ["x"],
+    "audio": {"voice": "a"},
+    "prediction": {"type": "content"},
+    "reasoning_effort": "high",
+    "modalities": ["text", "audio"],
+    "echo": True,
+    "continue_final_message": True,
+    "chat_template": "{{ messages }}",
+    "chat_template_kwargs": {"enable_thinking": True},
+    "documents": [{"text": "a"}],
+}
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"prompt": "hi"}
+
+
+def test_every_refused_field_has_a_refused_value_here():
+    assert set(REFUSED_VALUES) == set(NOT_SUPPORTED) | set(CHAT_NOT_SUPPORTED)
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_VALUES))
+def test_fields_not_implemented_are_refused_by_name_unless_neutral(field):
+    with pytest.raises(ValidationError) as error:
+        ChatCompletionRequest(**CHAT, **{field: REFUSED_VALUES[field]})
+    (first,) = error.value.errors()
+    assert first["loc"] == (field,)
+    assert f"{field} is not supported by this server" in first["msg"]
+    neutral = {**NOT_SUPPORTED, **CHAT_NOT_SUPPORTED}[field]
+    for value in neutral:
+        ChatCompletionRequest(**CHAT, **{field: value})
+
+
+def test_completion_echo_works_and_the_chat_only_refusals_do_not_apply():
+    assert CompletionRequest(**COMPLETION, echo=True).echo
+    with pytest.raises(ValidationError, match="guided_json is not supported"):
+        CompletionRequest(**COMPLETION, guided_json={"type": "object"})
+
+
+def test_unknown_fields_are_refused_and_the_ignored_ones_accepted():
+    with pytest.raises(ValidationError) as error:
+        CompletionRequest(**COMPLETION, temprature=0.5)
+    assert error.value.errors()[0]["loc"] == ("temprature",)
+    assert error.value.errors()[0]["type"] == "extra_forbidden"
+    ignored = {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"}
+    assert set(ignored) | {"parallel_tool_calls"} == set(IGNORED)
+    CompletionRequest(**COMPLETION, **ignored, parallel_tool_calls=True)
+
+
+def test_tool_calls_in_the_history_are_refused_not_dropped():
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]},
+        {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+    ]
+    with pytest.raises(ValidationError, match="tool_calls is not supported"):
+        ChatCompletionRequest(messages=messages)
+    request = ChatCompletionRequest(messages=[messages[0], messages[2]])
+    assert request.conversation()[1] == {"role": "tool", "content": "sunny", "tool_call_id": "1"}
+
+
+def test_new_sampling_fields_reach_sampling_params():
+    params = CompletionRequest(
+        **COMPLETION,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias={"5": 2.0},
+        include_stop_str_in_output=True,
+    ).to_sampling_params()
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert params.repetition_penalty == 1.2 and params.logit_bias == {5: 2.0}
+    assert params.include_stop_str_in_output
+
+
+def test_the_readme_table_names_every_request_field():
+    """The README's table is the user's list of what works: it must keep up with the models."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme[readme.index("## Request fields (OpenAI server)") :]
+    table = table[: table.index("\n## ")]
+    fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    missing = {
+        name
+        for name in fields
+        if f"`{name}`" not in table and f"/`_{name.removeprefix('guided_')}`" not in table
+    }
+    assert missing == set()
