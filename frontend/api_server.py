@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP server: FastAPI routes on one `AsyncEngineClient`.
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events ending in
-`data: [DONE]` with `stream: true`), GET /v1/models, /health and /metrics (Prometheus text).
-Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
-parameters, 401 for a bad API key, 404 for an unknown model, 503 once the engine is dead.
+`data: [DONE]` with `stream: true`), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize
+and /detokenize, GET /version, /health and /metrics (Prometheus text). Every error uses OpenAI's
+body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid parameters (a body that
+is not JSON included), 401 for a bad API key, 404 for an unknown model or route, 405 for a wrong
+method, 500 for a bug, 503 once the engine is dead.
 A streaming client that disconnects has its requests aborted, which frees their KV blocks.
 """
 
@@ -12,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
 from typing import Any
 
 import uvicorn
@@ -23,6 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError, Prompt
 from frontend.core_client import EngineDeadError
@@ -40,12 +46,17 @@ from frontend.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     UsageInfo,
+    VersionResponse,
     random_id,
 )
 from frontend.request_output import CompletionOutput, RequestOutput
@@ -58,6 +69,11 @@ SSE_DONE = "data: [DONE]\n\n"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+HTTP_ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,8 +179,27 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_json(engine_dead_error(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        if content_type and "json" not in content_type:  # FastAPI then never parsed the body
+            message = (
+                "the request body must be JSON (Content-Type: application/json), got "
+                f"Content-Type {content_type!r}"
+            )
+            return _error_json(APIError(400, message))
         return _error_json(_validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404 (no such route), 405 (wrong method), 413 ... in OpenAI's error body."""
+        type_ = HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+        return _error_json(APIError(exc.status_code, str(exc.detail), type_))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        """A bug: answered in OpenAI's error body (and logged with its traceback)."""
+        logger.exception("internal error while serving a request")
+        return _error_json(APIError(500, f"internal server error: {exc}", "internal_error"))
 
 
 def _add_routes(app: FastAPI, settings: ServerSettings) -> None:
@@ -188,6 +223,46 @@ def _add_routes(app: FastAPI, settings: ServerSettings) -> None:
             id=settings.served_model_name, max_model_len=_engine(request).max_model_len
         )
         return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
+    async def model(model_id: str, request: Request) -> ModelCard:
+        _check_model(model_id, settings)
+        return ModelCard(id=model_id, max_model_len=_engine(request).max_model_len)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=package_version())
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        _check_model(body.model, settings)
+        engine = _engine(request)
+        try:
+            if body.messages is not None:
+                conversation = [m.for_template() for m in body.messages]
+                tokens = await asyncio.to_thread(
+                    engine.apply_chat_template, conversation, body.add_generation_prompt
+                )
+            else:
+                tokens = await asyncio.to_thread(
+                    engine.tokenize, body.prompt, body.add_special_tokens
+                )
+        except InvalidPromptError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens
+        )
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        _check_model(body.model, settings)
+        engine = _engine(request)
+        try:
+            token_ids = engine.tokenize(body.tokens)  # checks them against the vocabulary
+        except InvalidPromptError as exc:
+            raise APIError(400, str(exc), param="tokens") from exc
+        text = await asyncio.to_thread(engine.tokenizer.decode, token_ids)
+        return DetokenizeResponse(prompt=text)
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)], response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | BaseModel:
@@ -223,6 +298,9 @@ async def _until_disconnected(
         disconnect.cancel()
         if not work.done():
             work.cancel()
+            # A cancelled task is done only once it has run its cancellation: wait for that.
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
     if work.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return work.result()
@@ -238,9 +316,11 @@ async def _create_completion(
 ) -> Response | BaseModel:
     params = _sampling_params(body)
     request_id = random_id("cmpl")
+    prompts = body.prompts()
+    token_ids = [await _tokenize(engine, prompt) for prompt in prompts]
     streams = [
-        _submit(engine, prompt, params, f"{request_id}-{index}", body.stream, "prompt")
-        for index, prompt in enumerate(body.prompts())
+        _submit(engine, prompt, params, f"{request_id}-{index}", body.stream, "prompt", ids)
+        for index, (prompt, ids) in enumerate(zip(prompts, token_ids, strict=True))
     ]
     if body.stream:
         events = _completion_events(engine, body, streams, request_id, model_name)
@@ -315,9 +395,13 @@ async def _create_chat_completion(
 ) -> Response | BaseModel:
     params = _sampling_params(body)
     try:
-        prompt_token_ids = engine.apply_chat_template(
-            body.conversation(), add_generation_prompt=body.add_generation_prompt
+        prompt_token_ids = await asyncio.to_thread(
+            engine.apply_chat_template,
+            body.conversation(),
+            add_generation_prompt=body.add_generation_prompt,
         )
+    except InvalidPromptError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the user's
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
     request_id = random_id("chatcmpl")
@@ -386,6 +470,14 @@ async def _chat_events(
     yield SSE_DONE
 
 
+async def _tokenize(engine: AsyncEngineClient, prompt: Prompt) -> list[int]:
+    """A completion prompt's tokens, computed off the event loop; 400 for a bad prompt."""
+    try:
+        return await engine.tokenize_in_thread(prompt)
+    except InvalidPromptError as exc:
+        raise APIError(400, str(exc), param="prompt") from exc
+
+
 def _submit(
     engine: AsyncEngineClient,
     prompt: Prompt,
@@ -393,10 +485,13 @@ def _submit(
     request_id: str,
     stream: bool,
     prompt_param: str,
+    prompt_token_ids: list[int] | None = None,
 ) -> AsyncIterator[RequestOutput]:
     """Validates and registers one request; maps its refusals to 400 and a dead engine to 503."""
     try:
-        return engine.generate(prompt, params, request_id, stream=stream)
+        return engine.generate(
+            prompt, params, request_id, stream=stream, prompt_token_ids=prompt_token_ids
+        )
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from exc
     except InvalidPromptError as exc:
@@ -564,6 +659,8 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
     where = ".".join(location)
     if first.get("type") == "extra_forbidden":
         message = "unrecognized request argument: this server neither implements nor ignores it"
+    elif isinstance(first.get("input"), float) and math.isnan(first["input"]):
+        message = "NaN is not a number this field accepts"
     else:
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return APIError(400, f"{where}: {message}" if where else message, param=param)
@@ -579,3 +676,11 @@ def _sse(response: BaseModel) -> str:
 
 def _sse_error(exc: EngineDeadError) -> str:
     return _sse(ErrorResponse(error=engine_dead_error(exc).info))
+
+
+def package_version() -> str:
+    """The installed core-engine distribution's version ("unknown" when run from a bare tree)."""
+    try:
+        return distribution_version("core-engine")
+    except PackageNotFoundError:
+        return "unknown"

@@ -87,6 +87,7 @@ class AsyncEngineClient:
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, or a checked copy of a token id prompt."""
         if isinstance(prompt, str):
+            _check_unicode(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         token_ids = list(prompt)
         # The ids the model can run and the tokenizer can turn back into text.
@@ -99,10 +100,20 @@ class AsyncEngineClient:
                 )
         return token_ids
 
+    async def tokenize_in_thread(self, prompt: Prompt) -> list[int]:
+        """`tokenize` on a worker thread for a text prompt: a long one does not hold up the
+        event loop (the tokenizer runs without the GIL), so /health and streams go on."""
+        if not isinstance(prompt, str):
+            return self.tokenize(prompt)
+        return await asyncio.to_thread(self.tokenize, prompt)
+
     def apply_chat_template(
         self, conversation: Sequence[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
+        for message in conversation:
+            for text in message.values():
+                _check_unicode(text, "messages")
         rendered = self.tokenizer.apply_chat_template(
             list(conversation), add_generation_prompt=add_generation_prompt
         )
@@ -140,11 +151,17 @@ class AsyncEngineClient:
         *,
         stream: bool = True,
         priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submits one request (text or token ids); see the class contract for the iterator."""
+        """Submits one request (text or token ids); see the class contract for the iterator.
+
+        `prompt_token_ids`: a text prompt's tokens when the caller already has them (from
+        `tokenize_in_thread`), so they are not computed again here, on the event loop.
+        """
         self._raise_if_dead()
         params = sampling_params if sampling_params is not None else SamplingParams()
-        prompt_token_ids = self.tokenize(prompt)
+        if prompt_token_ids is None or not isinstance(prompt, str):
+            prompt_token_ids = self.tokenize(prompt)
         self.check_prompt_length(len(prompt_token_ids), params.max_tokens)
         try:
             params.check_vocabulary(self._core.ready.vocab_size)
@@ -265,3 +282,16 @@ async def _forward(source: asyncio.Queue, target: asyncio.Queue) -> None:
         target.put_nowait(item)
         if isinstance(item, BaseException) or item.finished:
             return
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """InvalidPromptError for text that is not valid Unicode (a lone surrogate, which JSON's
+    \\uD800 escapes can carry): no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidPromptError(
+            f"{param} is not valid Unicode text: {exc.reason} (U+{ord(text[exc.start]):04X} at "
+            f"position {exc.start})",
+            param=param,
+        ) from None

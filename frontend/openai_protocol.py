@@ -303,6 +303,43 @@ class ChatCompletionRequest(SamplingFields):
         return self._make_sampling_params(self.max_output_tokens, logprobs)
 
 
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize (vLLM's): a text `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[NonNegativeInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0

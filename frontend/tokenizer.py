@@ -113,9 +113,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it map to their ids.
 
-        `add_special_tokens` applies the post-processor (e.g. a leading bos for Llama 3).
+        `add_special_tokens` applies the post-processor (e.g. a leading bos for Llama 3). Runs
+        without the GIL (the batch entry point releases it), so a long text tokenized on a
+        worker thread does not stall the event loop.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; incomplete UTF-8 at either end decodes to U+FFFD."""

@@ -330,6 +330,9 @@ def test_client_leaving_before_a_non_streamed_answer_aborts_the_request(server):
         httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=1.0)
     assert wait_until(lambda: metric(server.base_url, "num_requests_running") == 0, 10.0)
     assert metric(server.base_url, "kv_cache_usage_perc") == 0.0
+    # The handler is cancelled and answered quietly: no InvalidStateError traceback in the log.
+    assert "InvalidStateError" not in server.log_tail(100_000)
+    assert "Exception in ASGI application" not in server.log_tail(100_000)
 
 
 def test_invalid_parameters_answer_400_naming_the_parameter(server):
@@ -388,6 +391,78 @@ def test_fields_not_implemented_or_unknown_answer_400_and_neutral_ones_work(serv
         extra_body={"use_beam_search": False},
     )
     assert response.choices[0].finish_reason == "length"
+
+
+def test_every_error_has_the_openai_shape(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for response, status in (
+        (httpx.get(f"{server.base_url}/no/such/route", headers=headers), 404),
+        (httpx.get(f"{server.base_url}/v1/completions", headers=headers), 405),
+        (
+            httpx.post(
+                f"{server.base_url}/v1/completions",
+                content=b"prompt=x",
+                headers={**headers, "Content-Type": "application/x-www-form-urlencoded"},
+            ),
+            400,
+        ),
+    ):
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "must be JSON" in response.json()["error"]["message"]
+
+
+def test_bad_text_and_numbers_are_400_naming_what_is_wrong(server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    url = f"{server.base_url}/v1/completions"
+    surrogate = b'{"prompt": "a \\ud800 b", "max_tokens": 2}'
+    response = httpx.post(url, content=surrogate, headers=headers)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt"
+    assert "not valid Unicode" in response.json()["error"]["message"]
+    chat = b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}'
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", content=chat, headers=headers)
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "messages")
+    response = httpx.post(url, content=b'{"prompt": "x", "temperature": NaN}', headers=headers)
+    assert response.status_code == 400 and "NaN" in response.json()["error"]["message"]
+    for field, value in (("seed", 2**70), ("top_k", 2**70), ("stop_token_ids", [2**70])):
+        response = post(server, "/v1/completions", {"prompt": "x", field: value})
+        assert response.status_code == 400, field
+        assert response.json()["error"]["param"] == field
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_model_card_version_tokenize_and_detokenize(server):
+    response = httpx.get(
+        f"{server.base_url}/v1/models/{MODEL_NAME}", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert response.status_code == 200 and response.json()["id"] == MODEL_NAME
+    response = httpx.get(
+        f"{server.base_url}/v1/models/other", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    tokens = post(server, "/tokenize", {"prompt": "héllo"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == len("héllo".encode())
+    assert tokens["max_model_len"] > 0
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+    for path, body, param in (
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/tokenize", {"prompt": "x", "messages": []}, None),
+    ):
+        response = post(server, path, body)
+        assert response.status_code == 400, body
+        assert response.json()["error"]["param"] == param, response.json()
+    response = httpx.post(
+        f"{server.base_url}/tokenize",
+        content=b'{"prompt": "\\ud800"}',
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "prompt")
+    assert post(server, "/tokenize", {"prompt": "x"}, key="wrong").status_code == 401
 
 
 def test_bad_api_key_answers_401_and_unknown_model_404(server, client):
