@@ -657,9 +657,7 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
     names = [part for part in first.get("loc", ()) if isinstance(part, str) and part != "body"]
     param = names[0] if names else None
     where = ".".join(location)
-    if first.get("type") == "extra_forbidden":
-        message = "unrecognized request argument: this server neither implements nor ignores it"
-    elif isinstance(first.get("input"), float) and math.isnan(first["input"]):
+    if isinstance(first.get("input"), float) and math.isnan(first["input"]):
         message = "NaN is not a number this field accepts"
     else:
         message = first.get("msg", "invalid request").removeprefix("Value error, ")

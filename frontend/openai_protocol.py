@@ -3,13 +3,15 @@
 Requests validate their own bounds, so a bad value is reported with the field's name and its
 limit; `to_sampling_params` turns a valid request into the engine's `SamplingParams`.
 
-Every field either works or is refused: an unknown field is a 400 naming it (as OpenAI's own API
-answers), a known field this server does not implement is accepted only at its neutral value
-(`NOT_SUPPORTED`), and the few accepted without effect are listed in `IGNORED` with the reason.
+Every known field either works or is refused: a field of OpenAI's or vLLM's API that this server
+does not implement is accepted only at its neutral value (`NOT_SUPPORTED`), and the few accepted
+without effect are listed in `IGNORED` with the reason. Unknown fields follow vLLM: accepted,
+without effect, and logged once per name.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -25,6 +27,8 @@ from pydantic import (
 
 from proto import SamplingParams
 from proto.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
@@ -74,7 +78,23 @@ IGNORED = {
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> OpenAIModel:
+        for name in self.model_extra or {}:
+            key = (type(self).__name__, name)
+            if key not in _LOGGED_UNKNOWN_FIELDS:
+                _LOGGED_UNKNOWN_FIELDS.add(key)
+                logger.warning(
+                    "ignored unknown field %r of %s (logged once; it has no effect here)",
+                    name,
+                    type(self).__name__,
+                )
+        return self
+
+
+_LOGGED_UNKNOWN_FIELDS: set[tuple[str, str]] = set()
 
 
 def _refuse_unless_neutral(value: Any, field: str, neutral: tuple[Any, ...]) -> Any:
