@@ -13,6 +13,7 @@ from proto import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -282,9 +283,14 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Appends sampled tokens, applies stop conditions and frees finished requests.
 
-        Tokens for requests that were aborted while the step ran are dropped.
+        Tokens for requests that were aborted while the step ran are dropped; requests the
+        worker reports in `request_errors` finish with an ERROR output.
         """
         outputs = []
+        for request_id, message in model_runner_output.request_errors.items():
+            if request_id in self.requests:
+                self.finish_requests(request_id, RequestStatus.FINISHED_IGNORED)
+                outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=message))
         stopped_ids = set()
         logprobs = model_runner_output.logprobs
         for index, request_id in enumerate(model_runner_output.req_ids):

@@ -60,6 +60,7 @@ from frontend.openai_protocol import (
     random_id,
 )
 from frontend.request_output import CompletionOutput, RequestOutput
+from frontend.structured_outputs import check_structured_outputs
 from proto import SamplingParams, TokenLogprobs
 from proto.engine_config import EngineConfig
 
@@ -315,6 +316,7 @@ async def _create_completion(
     engine: AsyncEngineClient, body: CompletionRequest, model_name: str
 ) -> Response | BaseModel:
     params = _sampling_params(body)
+    await _check_output_constraint(body, params)
     request_id = random_id("cmpl")
     prompts = body.prompts()
     token_ids = [await _tokenize(engine, prompt) for prompt in prompts]
@@ -394,6 +396,7 @@ async def _create_chat_completion(
     engine: AsyncEngineClient, body: ChatCompletionRequest, model_name: str
 ) -> Response | BaseModel:
     params = _sampling_params(body)
+    await _check_output_constraint(body, params)
     try:
         prompt_token_ids = await asyncio.to_thread(
             engine.apply_chat_template,
@@ -553,6 +556,20 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> Samplin
         return body.to_sampling_params()
     except ValueError as exc:
         raise APIError(400, str(exc), param=_param_named_in(str(exc), body)) from exc
+
+
+async def _check_output_constraint(
+    body: CompletionRequest | ChatCompletionRequest, params: SamplingParams
+) -> None:
+    """400 naming the field (`response_format`, `structured_outputs`, `guided_*`) whose schema,
+    regex or grammar xgrammar cannot build; checked on a thread (the first one imports it)."""
+    if params.structured_outputs is None:
+        return
+    _, field = body.structured_outputs_field()
+    try:
+        await asyncio.to_thread(check_structured_outputs, params.structured_outputs)
+    except ValueError as exc:
+        raise APIError(400, f"{field}: {exc}", param=field) from exc
 
 
 def _param_named_in(message: str, body: BaseModel) -> str | None:

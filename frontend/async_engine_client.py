@@ -20,6 +20,7 @@ from frontend.metrics import EngineMetrics
 from frontend.null_tokenizer import NullTokenizer
 from frontend.output_processor import OutputProcessor
 from frontend.request_output import RequestOutput
+from frontend.structured_outputs import check_structured_outputs
 from proto import EngineCoreOutput, FinishReason, SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
 
@@ -167,6 +168,11 @@ class AsyncEngineClient:
             params.check_vocabulary(self._core.ready.vocab_size)
         except ValueError as exc:  # the message starts with the field's name
             raise InvalidPromptError(str(exc), param=str(exc).split()[0]) from None
+        if params.structured_outputs is not None:
+            try:
+                check_structured_outputs(params.structured_outputs)
+            except ValueError as exc:
+                raise InvalidPromptError(str(exc), param="structured_outputs") from None
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._raise_if_running(request_id)
         processor = OutputProcessor(

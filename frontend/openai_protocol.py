@@ -11,6 +11,7 @@ without effect, and logged once per name.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -26,7 +27,7 @@ from pydantic import (
 )
 
 from proto import SamplingParams
-from proto.sampling_params import MAX_LOGPROBS
+from proto.sampling_params import MAX_LOGPROBS, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +37,10 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 # Fields of OpenAI's and vLLM's request APIs that this server does not implement, with the
 # values that ask for nothing (accepted); any other value is refused with a 400 naming the field.
 NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
@@ -108,6 +102,41 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format gives json_schema exactly when type is "json_schema"')
+        return self
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regex, a choice of
+    strings or an EBNF grammar."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras (repetition_penalty,
     top_k ... skip_special_tokens)."""
@@ -136,18 +165,18 @@ class SamplingFields(OpenAIModel):
     store: bool | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["auto", "xgrammar"] | None = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -180,6 +209,41 @@ class SamplingFields(OpenAIModel):
             raise ValueError("stop strings must not be empty")
         return value
 
+    def structured_outputs_field(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The output constraint and the field that asked for it (`response_format`,
+        `structured_outputs` or vLLM's older `guided_*`); ValueError if several do."""
+        asked: list[tuple[StructuredOutputs, str]] = []
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            asked.append((StructuredOutputs(json_object=True), "response_format"))
+        elif response_format is not None and response_format.json_schema is not None:
+            schema = _schema_text(response_format.json_schema.json_schema)
+            asked.append((StructuredOutputs(json=schema), "response_format"))
+        if self.structured_outputs is not None:
+            request = self.structured_outputs
+            constraint = StructuredOutputs(
+                json=None if request.json_ is None else _schema_text(request.json_),
+                json_object=bool(request.json_object),
+                regex=request.regex,
+                choice=request.choice,
+                grammar=request.grammar,
+            )
+            asked.append((constraint, "structured_outputs"))
+        guided = {
+            "guided_json": lambda v: StructuredOutputs(json=_schema_text(v)),
+            "guided_regex": lambda v: StructuredOutputs(regex=v),
+            "guided_choice": lambda v: StructuredOutputs(choice=v),
+            "guided_grammar": lambda v: StructuredOutputs(grammar=v),
+        }
+        for name, make in guided.items():
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((make(value), name))
+        if len(asked) > 1:
+            names = ", ".join(name for _, name in asked)
+            raise ValueError(f"{asked[1][1]}: give one output constraint, got {names}")
+        return asked[0] if asked else (None, None)
+
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -206,6 +270,7 @@ class SamplingFields(OpenAIModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            structured_outputs=self.structured_outputs_field()[0],
             **{name: value for name, value in optional.items() if value is not None},
         )
 

@@ -16,6 +16,35 @@ MAX_TOP_K = 2**31 - 1
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
+class StructuredOutputs(msgspec.Struct, omit_defaults=True, gc=False):
+    """A constraint on a request's output; exactly one field is set. `json`: a JSON schema (as
+    JSON text); `json_object`: any JSON object; `regex`; `choice`: one of these strings;
+    `grammar`: an EBNF grammar (xgrammar's dialect, rule `root`)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [
+            name for name in self.__struct_fields__ if getattr(self, name) not in (None, False)
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice and "
+                f"grammar, got {kinds or 'none'}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must list at least one string")
+
+    @property
+    def cache_key(self) -> bytes:
+        """Equal for equal constraints: what compiled grammars are cached by."""
+        return msgspec.msgpack.encode(self)
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     """How to sample one request and when to stop it.
 
@@ -44,6 +73,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Messages are formatted only on failure: this runs in every process a request crosses.

@@ -9,7 +9,7 @@ from core.engine_core import start_engine_core
 from core.in_process_engine import InProcessEngine
 from proto import SamplingParams, WorkerReady
 from proto.engine_config import EngineConfig
-from proto.sampling_params import stop_on_eos
+from proto.sampling_params import StructuredOutputs, stop_on_eos
 from worker.local_executor import LocalExecutor
 from worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE
 
@@ -136,3 +136,13 @@ def test_eos_rule_first_id_is_eos_the_others_stop_unless_ignored():
     eos, ignoring = stop_on_eos(SamplingParams(ignore_eos=True), [2, 5])
     assert (eos, ignoring.stop_token_ids) == (2, [])
     assert stop_on_eos(params, []) == (None, params)
+
+
+def test_the_null_model_refuses_structured_outputs_instead_of_ignoring_them():
+    engine = InProcessEngine(NULL_CONFIG, LocalExecutor(NULL_CONFIG))
+    constraint = StructuredOutputs(choice=["yes", "no"])
+    constrained = SamplingParams(max_tokens=3, structured_outputs=constraint)
+    (result,) = engine.generate([[1, 2]], constrained).results
+    assert (result.finish_reason, result.token_ids) == ("error", [])
+    (free,) = engine.generate([[1, 2]], SamplingParams(max_tokens=3)).results
+    assert free.finish_reason == "length"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -15,19 +16,13 @@ from frontend.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from proto.sampling_params import StructuredOutputs
 
 REFUSED_VALUES = {
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "required",
     "functions": [{"name": "f"}],
     "function_call": "auto",
-    "structured_outputs": {"json": {}},
-    "guided_json": {"type": "object"},
-    "guided_regex": "a+",
-    "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= 'a'",
-    "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ",
     "prompt_logprobs": 1,
     "use_beam_search": True,
@@ -68,8 +63,65 @@ def test_fields_not_implemented_are_refused_by_name_unless_neutral(field):
 
 def test_completion_echo_works_and_the_chat_only_refusals_do_not_apply():
     assert CompletionRequest(**COMPLETION, echo=True).echo
-    with pytest.raises(ValidationError, match="guided_json is not supported"):
-        CompletionRequest(**COMPLETION, guided_json={"type": "object"})
+    with pytest.raises(ValidationError, match="use_beam_search is not supported"):
+        CompletionRequest(**COMPLETION, use_beam_search=True)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected", "source"),
+    [
+        ({"response_format": {"type": "text"}}, None, None),
+        (
+            {"response_format": {"type": "json_object"}},
+            StructuredOutputs(json_object=True),
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+            StructuredOutputs(json=json.dumps(SCHEMA)),
+            "response_format",
+        ),
+        (
+            {"structured_outputs": {"json": SCHEMA}},
+            StructuredOutputs(json=json.dumps(SCHEMA)),
+            "structured_outputs",
+        ),
+        (
+            {"structured_outputs": {"regex": "a+"}},
+            StructuredOutputs(regex="a+"),
+            "structured_outputs",
+        ),
+        (
+            {"guided_json": json.dumps(SCHEMA)},
+            StructuredOutputs(json=json.dumps(SCHEMA)),
+            "guided_json",
+        ),
+        ({"guided_choice": ["x", "y"]}, StructuredOutputs(choice=["x", "y"]), "guided_choice"),
+        (
+            {"guided_grammar": 'root ::= "a"'},
+            StructuredOutputs(grammar='root ::= "a"'),
+            "guided_grammar",
+        ),
+    ],
+)
+def test_every_way_to_ask_for_structured_outputs_maps_to_one_constraint(fields, expected, source):
+    request = ChatCompletionRequest(**CHAT, **fields)
+    assert request.structured_outputs_field() == (expected, source)
+    assert request.to_sampling_params().structured_outputs == expected
+
+
+def test_two_output_constraints_or_a_schema_without_its_type_are_refused():
+    with pytest.raises(ValueError, match="guided_regex: give one output constraint, got"):
+        CompletionRequest(
+            **COMPLETION, response_format={"type": "json_object"}, guided_regex="a"
+        ).to_sampling_params()
+    with pytest.raises(ValidationError, match="json_schema exactly when type"):
+        CompletionRequest(**COMPLETION, response_format={"type": "json_schema"})
+    with pytest.raises(ValidationError, match="guided_decoding_backend"):
+        CompletionRequest(**COMPLETION, guided_decoding_backend="outlines")
 
 
 def test_unknown_fields_are_accepted_and_logged_once_and_the_ignored_ones_accepted(caplog):

@@ -595,3 +595,75 @@ def test_greedy_output_equals_the_in_process_engine(tmp_path):
             assert response.usage.completion_tokens == len(expected.token_ids)
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_structured_outputs_over_http_with_n_and_streaming(tmp_path):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    server = ServerProcess(
+        [
+            "--max-model-len", "512",
+            "--num-gpu-blocks-override", str(SMALL_KV_CACHE_NUM_BLOCKS),
+            "--disable-log-stats",
+        ],
+        tmp_path / "log",
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        messages = [{"role": "user", "content": "Invent a person and give them as JSON."}]
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            n=2,
+            seed=3,
+            max_tokens=80,
+            response_format=response_format,
+        )
+        assert len(reply.choices) == 2
+        for choice in reply.choices:
+            jsonschema.validate(json.loads(choice.message.content), schema)
+        texts = ["", ""]
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            n=2,
+            max_tokens=80,
+            stream=True,
+            response_format=response_format,
+        )
+        for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+        for text in texts:
+            jsonschema.validate(json.loads(text), schema)
+        completion = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="The answer is",
+            max_tokens=5,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        )
+        assert completion.choices[0].text in ("yes", "no")
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=messages,
+                max_tokens=5,
+                response_format=bad,
+            )
+        assert error.value.body["param"] == "response_format"
+        assert "invalid JSON schema" in error.value.body["message"]
+    finally:
+        server.stop()

@@ -14,6 +14,7 @@ from kernels import AttentionMetadata
 from proto import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.sampler import Sampler, SamplingMetadata
+from worker.structured_outputs import StructuredOutputManager
 
 
 class CausalLM(Protocol):
@@ -66,8 +67,10 @@ class ModelRunner:
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
+        self.structured_outputs = structured_outputs
         self.device = device
         self.max_model_len = max_model_len
         self.max_num_reqs = max_num_reqs
@@ -144,6 +147,8 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+            if self.structured_outputs is not None:
+                self.structured_outputs.remove_request(req_id)
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in list(batch.req_id_to_row):
             if req_id not in scheduled:
@@ -168,6 +173,9 @@ class ModelRunner:
         )
         self.requests[new_req.req_id] = state
         self.input_batch.add_request(state)
+        constraint = new_req.sampling_params.structured_outputs
+        if constraint is not None:
+            self._structured_outputs().add_request(new_req.req_id, constraint)
 
     def _update_cached_request(self, cached_req: CachedRequestData) -> None:
         state = self.requests.get(cached_req.req_id)
@@ -178,6 +186,8 @@ class ModelRunner:
             )
         state.num_computed_tokens = cached_req.num_computed_tokens
         state.output_token_ids.extend(cached_req.new_token_ids)
+        if self.structured_outputs is not None:
+            self.structured_outputs.accept_tokens(cached_req.req_id, cached_req.new_token_ids)
         if cached_req.resumed_from_preemption:
             state.block_ids = list(cached_req.new_block_ids)
         else:
@@ -249,6 +259,10 @@ class ModelRunner:
         if len(inputs.sample_rows) == 0:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        request_errors = {}
+        if self.structured_outputs is not None and self.structured_outputs.requests:
+            sample_req_ids = [batch.req_ids[row] for row in inputs.sample_rows.tolist()]
+            request_errors = self.structured_outputs.mask_logits(logits, sample_req_ids)
         metadata = batch.sampling_metadata(inputs.sample_rows)
         output = self.sampler(logits, metadata)
         logprobs: list | None = None
@@ -261,7 +275,10 @@ class ModelRunner:
             if logprobs is not None:
                 logprobs[row] = output.logprobs[i]
         return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs
+            req_ids=req_ids,
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            request_errors=request_errors,
         )
 
     def _check_token_count(self, num_tokens: int, scheduler_output: SchedulerOutput) -> None:
@@ -285,6 +302,14 @@ class ModelRunner:
                 f"request {self.input_batch.req_ids[row]!r} is scheduled up to token "
                 f"{int(seq_lens[row])} but holds only {int(num_tokens[row])} tokens"
             )
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        if self.structured_outputs is None:
+            raise ValueError(
+                "a request asks for structured outputs, but this worker was built without a "
+                "StructuredOutputManager"
+            )
+        return self.structured_outputs
 
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:

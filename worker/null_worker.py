@@ -83,6 +83,11 @@ class NullWorker:
             req_id_to_num_computed[cached_req.req_id] = cached_req.num_computed_tokens
 
         output = ModelRunnerOutput()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            if new_req.sampling_params.structured_outputs is not None:
+                output.request_errors[new_req.req_id] = (
+                    "structured_outputs: the null model has no vocabulary to constrain"
+                )
         any_logprobs = False
         logprobs: list[TokenLogprobs | None] = []
         for req_id, num_computed in req_id_to_num_computed.items():

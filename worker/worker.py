@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from common.dtypes import DTYPE_NAMES, torch_dtype
@@ -15,6 +17,7 @@ from worker.cpu_linear import pack_linears
 from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from worker.model_runner import ModelRunner
 from worker.parallel_state import init_distributed
+from worker.structured_outputs import StructuredOutputManager
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 1024}
 """Step token budget when none is given, by device type. A CPU prefills slowly, so a step of
@@ -80,6 +83,7 @@ class Worker:
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.enforce_eager = enforce_eager
         self.model = None
+        self.model_path: Path | None = None
         self.model_config = None
         self.model_runner: ModelRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -95,7 +99,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         init_distributed(self.rank, self.world_size, self.device)
-        path = resolve_model_path(self.model_name)
+        path = self.model_path = resolve_model_path(self.model_name)
         self.model, self.model_config = load_model(
             path, self.device, self.dtype, tp_rank=self.rank, tp_size=self.world_size
         )
@@ -212,6 +216,9 @@ class Worker:
             max_num_batched_tokens=self.max_num_batched_tokens,
             eos_token_ids=self.eos_token_ids,
             seed=self.seed,
+            structured_outputs=StructuredOutputManager(
+                self.model_path, self.vocab_size, self.eos_token_ids
+            ),
         )
 
     def _resolve_max_model_len(self) -> int:

@@ -1,0 +1,194 @@
+"""`StructuredOutputManager`: each constrained request's grammar matcher, where the logits are.
+
+A request whose `SamplingParams.structured_outputs` is set gets its grammar compiled against the
+model's vocabulary on a background thread as soon as it arrives (compiled grammars are cached by
+constraint, so a repeated schema costs nothing), while the forward pass runs. When the request
+samples, its matcher fills one row of a token bitmask and the logits of every disallowed token
+become -inf, for all constrained rows of the step at once. The matcher advances with the tokens
+the scheduler sends back (`CachedRequestData.new_token_ids`), which are the tokens every rank
+holds, so every tensor-parallel rank masks alike.
+
+Once the grammar is complete only the model's eos ids are allowed. A matcher that refuses a token
+(which masking prevents; a logit bias of -100 on every allowed token is one way to force it) stops
+constraining that request, with a warning, instead of failing the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.gguf_file import GGUFFile
+from common.grammars import build_grammar, xgrammar
+from common.json_file import read_json
+from common.model_files import TOKENIZER_FILE_NAME, is_gguf_file
+from proto.sampling_params import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+GGUF_VOCAB_TYPES = {"gpt2": "BYTE_LEVEL", "llama": "BYTE_FALLBACK"}
+
+
+@dataclass(slots=True)
+class ConstrainedRequest:
+    """`matcher` is None until the compiled grammar is there; tokens that arrive before that
+    wait in `pending_token_ids`."""
+
+    compiled: Future
+    matcher: Any = None
+    pending_token_ids: list[int] = field(default_factory=list)
+
+
+class StructuredOutputManager:
+    """Grammar matchers of one worker's constrained requests; not thread-safe (the step's thread).
+
+    The tokenizer description xgrammar needs is read from the model files on the first
+    constrained request, so an engine that never sees one never imports xgrammar.
+    """
+
+    def __init__(self, model_path: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.model_path = Path(model_path)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.requests: dict[str, ConstrainedRequest] = {}
+        self._compiler: Any = None
+        self._cache: OrderedDict[bytes, Future] = OrderedDict()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+    def add_request(self, req_id: str, constraint: StructuredOutputs) -> None:
+        """Starts compiling `constraint` (or reuses its cached grammar) for a new request."""
+        self.requests[req_id] = ConstrainedRequest(self._compiled(constraint))
+
+    def remove_request(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def accept_tokens(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Advances the request's matcher over tokens the scheduler kept for it."""
+        request = self.requests.get(req_id)
+        if request is None or not token_ids:
+            return
+        if request.matcher is None:
+            request.pending_token_ids.extend(token_ids)
+            return
+        for token_id in token_ids:
+            if request.matcher.is_terminated():
+                return  # eos under ignore_eos: nothing left to constrain
+            if not request.matcher.accept_token(token_id):
+                logger.warning(
+                    "request %r: token %d breaks its grammar; the rest of it is unconstrained",
+                    req_id,
+                    token_id,
+                )
+                self.requests.pop(req_id)
+                return
+
+    def mask_logits(self, logits: torch.Tensor, req_ids: Sequence[str]) -> dict[str, str]:
+        """Sets to -inf, in place, every logit the grammar of row i's request (`req_ids[i]`)
+        forbids; rows of unconstrained requests are left alone. Returns the requests whose
+        grammar did not compile, with the reason (they are dropped here; their row is not
+        masked, and the caller reports them so that the scheduler fails them)."""
+        errors: dict[str, str] = {}
+        rows = []
+        for row, req_id in enumerate(req_ids):
+            if req_id not in self.requests:
+                continue
+            try:
+                self._ensure_matcher(req_id)
+            except Exception as exc:  # a bad constraint from a raw client: fail that request
+                errors[req_id] = f"structured_outputs: {exc}"
+                self.requests.pop(req_id)
+                continue
+            if req_id in self.requests:  # still constrained after replaying its tokens
+                rows.append(row)
+        if rows:
+            xgr = xgrammar()
+            bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)
+            for row in rows:
+                self.requests[req_ids[row]].matcher.fill_next_token_bitmask(bitmask, row)
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows
+            )
+        return errors
+
+    def _ensure_matcher(self, req_id: str) -> None:
+        """Makes the request's matcher on first use, waiting for its grammar if need be, and
+        replays the tokens that arrived before it."""
+        request = self.requests[req_id]
+        if request.matcher is None:
+            request.matcher = xgrammar().GrammarMatcher(request.compiled.result())
+            pending, request.pending_token_ids = request.pending_token_ids, []
+            self.accept_tokens(req_id, pending)
+
+    def _compiled(self, constraint: StructuredOutputs) -> Future:
+        key = constraint.cache_key
+        future = self._cache.get(key)
+        if future is None:
+            future = self._executor.submit(self._compile, constraint)
+            self._cache[key] = future
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return future
+
+    def _compile(self, constraint: StructuredOutputs) -> Any:
+        grammar = build_grammar(
+            json_schema=constraint.json,
+            json_object=constraint.json_object,
+            regex=constraint.regex,
+            choice=constraint.choice,
+            ebnf=constraint.grammar,
+        )
+        if self._compiler is None:
+            xgr = xgrammar()
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
+        return self._compiler.compile_grammar(grammar)
+
+    def _tokenizer_info(self, xgr: Any) -> Any:
+        """xgrammar's view of the vocabulary: every token's text as the tokenizer stores it."""
+        if is_gguf_file(self.model_path):
+            gguf = GGUFFile(self.model_path)
+            vocab_type = GGUF_VOCAB_TYPES.get(gguf.field("tokenizer.ggml.model"), "RAW")
+            return xgr.TokenizerInfo(
+                gguf.field("tokenizer.ggml.tokens"),
+                getattr(xgr.VocabType, vocab_type),
+                vocab_size=self.vocab_size,
+                stop_token_ids=self.eos_token_ids,
+            )
+        tokenizer_json = read_json(self.model_path / TOKENIZER_FILE_NAME)
+        metadata = xgr.TokenizerInfo._detect_metadata_from_hf(
+            (self.model_path / TOKENIZER_FILE_NAME).read_text(encoding="utf-8")
+        )
+        metadata["vocab_size"] = self.vocab_size
+        metadata["stop_token_ids"] = self.eos_token_ids
+        return xgr.TokenizerInfo.from_vocab_and_metadata(
+            _encoded_vocab(tokenizer_json, self.vocab_size), json.dumps(metadata)
+        )
+
+
+def _encoded_vocab(tokenizer_json: dict, vocab_size: int) -> list[str]:
+    """Token texts by id from tokenizer.json (model vocabulary, then added tokens); ids with no
+    token (a padded embedding) get an empty string, which no grammar can use."""
+    vocab = [""] * vocab_size
+    model_vocab = tokenizer_json.get("model", {}).get("vocab", {})
+    items = (
+        model_vocab.items()
+        if isinstance(model_vocab, dict)
+        else ((entry[0], i) for i, entry in enumerate(model_vocab))
+    )
+    for token, token_id in items:
+        if token_id < vocab_size:
+            vocab[token_id] = token
+    for added in tokenizer_json.get("added_tokens", []):
+        if added["id"] < vocab_size:
+            vocab[added["id"]] = added["content"]
+    return vocab
