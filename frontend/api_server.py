@@ -23,6 +23,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as distribution_version
 from typing import Any
 
+import msgspec
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,7 +46,9 @@ from frontend.openai_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
@@ -60,7 +63,7 @@ from frontend.openai_protocol import (
     random_id,
 )
 from frontend.request_output import CompletionOutput, RequestOutput
-from frontend.structured_outputs import check_structured_outputs
+from frontend.tool_calls import ToolChoiceError, ToolPlan, plan_tools
 from proto import SamplingParams, TokenLogprobs
 from proto.engine_config import EngineConfig
 
@@ -84,6 +87,7 @@ class ServerSettings:
     served_model_name: str
     api_key: str | None = None
     log_stats_interval_s: float | None = 10.0
+    tool_call_parser: str | None = None  # reads tool calls back for tool_choice "auto"
 
 
 class APIError(Exception):
@@ -279,9 +283,7 @@ def _add_routes(app: FastAPI, settings: ServerSettings) -> None:
     ) -> Response | BaseModel:
         _check_model(body.model, settings)
         engine = _engine(request)
-        return await _until_disconnected(
-            request, _create_chat_completion(engine, body, settings.served_model_name)
-        )
+        return await _until_disconnected(request, _create_chat_completion(engine, body, settings))
 
 
 async def _until_disconnected(
@@ -316,7 +318,7 @@ async def _create_completion(
     engine: AsyncEngineClient, body: CompletionRequest, model_name: str
 ) -> Response | BaseModel:
     params = _sampling_params(body)
-    await _check_output_constraint(body, params)
+    await _check_output_constraint(engine, params, body.structured_outputs_field()[1])
     request_id = random_id("cmpl")
     prompts = body.prompts()
     token_ids = [await _tokenize(engine, prompt) for prompt in prompts]
@@ -393,49 +395,87 @@ async def _completion_events(
 
 
 async def _create_chat_completion(
-    engine: AsyncEngineClient, body: ChatCompletionRequest, model_name: str
+    engine: AsyncEngineClient, body: ChatCompletionRequest, settings: ServerSettings
 ) -> Response | BaseModel:
+    plan = _tool_plan(engine, body, settings)
     params = _sampling_params(body)
-    await _check_output_constraint(body, params)
+    _, constraint_field = body.structured_outputs_field()
+    if (tool_constraint := plan.constraint()) is not None:
+        if params.structured_outputs is not None:
+            raise APIError(
+                400,
+                f"tool_choice {plan.mode!r} constrains the output itself; it cannot be combined "
+                f"with {constraint_field}",
+                param="tool_choice",
+            )
+        params = msgspec.structs.replace(params, structured_outputs=tool_constraint)
+        constraint_field = "tools"
+    await _check_output_constraint(engine, params, constraint_field)
     try:
         prompt_token_ids = await asyncio.to_thread(
             engine.apply_chat_template,
             body.conversation(),
             add_generation_prompt=body.add_generation_prompt,
+            **plan.template_kwargs(),
         )
     except InvalidPromptError as exc:
         raise APIError(400, str(exc), param="messages") from exc
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the user's
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
     request_id = random_id("chatcmpl")
+    model_name = settings.served_model_name
     stream = _submit(engine, prompt_token_ids, params, request_id, body.stream, "messages")
     if body.stream:
-        events = _chat_events(engine, body, stream, request_id, model_name)
+        events = _chat_events(engine, body, plan, stream, request_id, model_name)
         return StreamingResponse(events, media_type="text/event-stream")
     (final,) = await _final_outputs([stream])
-    choices = [
-        ChatCompletionChoice(
-            index=completion.index,
-            message=AssistantMessage(content=completion.text),
-            logprobs=_chat_logprobs(engine, completion) if body.logprobs else None,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
+    choices = []
+    for completion in final.outputs:
+        content, tool_calls = plan.extract(completion.text)
+        choices.append(
+            ChatCompletionChoice(
+                index=completion.index,
+                message=AssistantMessage(content=content, tool_calls=tool_calls),
+                logprobs=_chat_logprobs(engine, completion) if body.logprobs else None,
+                finish_reason=_chat_finish_reason(plan, completion.finish_reason, tool_calls),
+                stop_reason=completion.stop_reason,
+            )
         )
-        for completion in final.outputs
-    ]
     return ChatCompletionResponse(
         id=request_id, model=model_name, choices=choices, usage=_usage([final])
     )
 
 
+def _tool_plan(
+    engine: AsyncEngineClient, body: ChatCompletionRequest, settings: ServerSettings
+) -> ToolPlan:
+    template = engine.tokenizer.chat_template or ""
+    try:
+        return plan_tools(body, settings.tool_call_parser, "tools" in template)
+    except ToolChoiceError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def _chat_finish_reason(plan: ToolPlan, finish_reason: str | None, tool_calls: list) -> str | None:
+    """ "tool_calls" when the model chose to call (required, auto); a forced named call
+    finishes as the text did ("stop"), as OpenAI answers."""
+    if tool_calls and plan.mode in ("required", "auto") and finish_reason == "stop":
+        return "tool_calls"
+    return finish_reason
+
+
 async def _chat_events(
     engine: AsyncEngineClient,
     body: ChatCompletionRequest,
+    plan: ToolPlan,
     stream: AsyncIterator[RequestOutput],
     request_id: str,
     model_name: str,
 ) -> AsyncIterator[str]:
-    """SSE chunks: the assistant role for every choice, then content deltas; usage; [DONE]."""
+    """SSE chunks: the assistant role for every choice, then content deltas; usage; [DONE].
+
+    A named tool call streams its arguments as they come; "required" and "auto" replies are
+    read whole (a call is only known once it is complete) and sent as one delta at the end."""
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
         response = ChatCompletionStreamResponse(
@@ -444,33 +484,80 @@ async def _chat_events(
         return _sse(response)
 
     final = None
+    texts = [""] * body.n  # replies read whole ("required", "auto")
     try:
-        yield chunk(
-            [
-                ChatCompletionStreamChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content="")
-                )
-                for i in range(body.n)
-            ]
-        )
+        first = [DeltaMessage(role="assistant", content="") for _ in range(body.n)]
+        if plan.mode == "named":
+            for delta in first:
+                delta.content = None
+                delta.tool_calls = [
+                    DeltaToolCall(
+                        index=0,
+                        id=random_id("call"),
+                        type="function",
+                        function=DeltaFunctionCall(name=plan.named, arguments=""),
+                    )
+                ]
+        yield chunk([ChatCompletionStreamChoice(index=i, delta=d) for i, d in enumerate(first)])
         async for _, output in _merge([stream]):
-            choices = [
-                ChatCompletionStreamChoice(
-                    index=completion.index,
-                    delta=DeltaMessage(content=completion.text),
-                    logprobs=_chat_logprobs(engine, completion) if body.logprobs else None,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
+            choices = []
+            for completion in output.outputs:
+                delta, finish_reason = _chat_delta(plan, completion, texts)
+                if delta is None and finish_reason is None:
+                    continue
+                choices.append(
+                    ChatCompletionStreamChoice(
+                        index=completion.index,
+                        delta=delta or DeltaMessage(),
+                        logprobs=(
+                            _chat_logprobs(engine, completion)
+                            if body.logprobs and plan.mode in ("none", "named")
+                            else None
+                        ),
+                        finish_reason=finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
                 )
-                for completion in output.outputs
-            ]
             final = output
-            yield chunk(choices)
+            if choices:
+                yield chunk(choices)
         if body.include_usage_in_stream and final is not None:
             yield chunk([], _usage([final]))
     except EngineDeadError as exc:
         yield _sse_error(exc)
     yield SSE_DONE
+
+
+def _chat_delta(
+    plan: ToolPlan, completion: CompletionOutput, texts: list[str]
+) -> tuple[DeltaMessage | None, str | None]:
+    """The delta of one choice's update and its finish reason, for each tool mode."""
+    if plan.mode == "none":
+        return DeltaMessage(content=completion.text), completion.finish_reason
+    if plan.mode == "named":
+        arguments = DeltaFunctionCall(arguments=completion.text)
+        delta = DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=arguments)])
+        return delta, completion.finish_reason
+    texts[completion.index] += completion.text
+    if completion.finish_reason is None:
+        return None, None
+    content, tool_calls = plan.extract(texts[completion.index])
+    delta = DeltaMessage(
+        content=content,
+        tool_calls=[
+            DeltaToolCall(
+                index=i,
+                id=call.id,
+                type="function",
+                function=DeltaFunctionCall(
+                    name=call.function.name, arguments=call.function.arguments
+                ),
+            )
+            for i, call in enumerate(tool_calls)
+        ]
+        or None,
+    )
+    return delta, _chat_finish_reason(plan, completion.finish_reason, tool_calls)
 
 
 async def _tokenize(engine: AsyncEngineClient, prompt: Prompt) -> list[int]:
@@ -559,16 +646,16 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> Samplin
 
 
 async def _check_output_constraint(
-    body: CompletionRequest | ChatCompletionRequest, params: SamplingParams
+    engine: AsyncEngineClient, params: SamplingParams, field: str | None
 ) -> None:
-    """400 naming the field (`response_format`, `structured_outputs`, `guided_*`) whose schema,
-    regex or grammar xgrammar cannot build; checked on a thread (the first one imports it)."""
+    """400 naming the field (`response_format`, `structured_outputs`, `guided_*`, `tools`)
+    whose constraint this engine cannot apply; checked on a thread (the first check imports
+    xgrammar, which takes seconds)."""
     if params.structured_outputs is None:
         return
-    _, field = body.structured_outputs_field()
     try:
-        await asyncio.to_thread(check_structured_outputs, params.structured_outputs)
-    except ValueError as exc:
+        await asyncio.to_thread(engine.check_structured_outputs, params.structured_outputs)
+    except InvalidPromptError as exc:
         raise APIError(400, f"{field}: {exc}", param=field) from exc
 
 

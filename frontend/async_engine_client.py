@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
 from common.model_files import resolve_model_path
@@ -23,6 +23,7 @@ from frontend.request_output import RequestOutput
 from frontend.structured_outputs import check_structured_outputs
 from proto import EngineCoreOutput, FinishReason, SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
+from proto.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,19 @@ class AsyncEngineClient:
                 )
         return token_ids
 
+    def check_structured_outputs(self, constraint: StructuredOutputs) -> None:
+        """InvalidPromptError unless this engine can apply `constraint`: xgrammar must build it
+        (the first call imports xgrammar, seconds: run it on a thread from an event loop), and
+        the model must have a vocabulary (the null model has none)."""
+        if isinstance(self.tokenizer, NullTokenizer):
+            raise InvalidPromptError(
+                "the null model has no vocabulary to constrain", param="structured_outputs"
+            )
+        try:
+            check_structured_outputs(constraint)
+        except ValueError as exc:
+            raise InvalidPromptError(str(exc), param="structured_outputs") from None
+
     async def tokenize_in_thread(self, prompt: Prompt) -> list[int]:
         """`tokenize` on a worker thread for a text prompt: a long one does not hold up the
         event loop (the tokenizer runs without the GIL), so /health and streams go on."""
@@ -109,14 +123,17 @@ class AsyncEngineClient:
         return await asyncio.to_thread(self.tokenize, prompt)
 
     def apply_chat_template(
-        self, conversation: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        conversation: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
-        for message in conversation:
-            for text in message.values():
-                _check_unicode(text, "messages")
+        """Token ids of a conversation rendered with the model's chat template; keyword
+        arguments (`tools`, ...) are passed to the template."""
+        for text in _strings(list(conversation)):
+            _check_unicode(text, "messages")
         rendered = self.tokenizer.apply_chat_template(
-            list(conversation), add_generation_prompt=add_generation_prompt
+            list(conversation), add_generation_prompt=add_generation_prompt, **template_kwargs
         )
         if isinstance(rendered, str):
             # The template already spells out the special tokens (bos, role markers).
@@ -169,10 +186,7 @@ class AsyncEngineClient:
         except ValueError as exc:  # the message starts with the field's name
             raise InvalidPromptError(str(exc), param=str(exc).split()[0]) from None
         if params.structured_outputs is not None:
-            try:
-                check_structured_outputs(params.structured_outputs)
-            except ValueError as exc:
-                raise InvalidPromptError(str(exc), param="structured_outputs") from None
+            self.check_structured_outputs(params.structured_outputs)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._raise_if_running(request_id)
         processor = OutputProcessor(
@@ -301,3 +315,15 @@ def _check_unicode(text: str, param: str) -> None:
             f"position {exc.start})",
             param=param,
         ) from None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside nested lists and dicts (a message's text, its tool calls' fields)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)

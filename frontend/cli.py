@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from frontend.api_server import ServerSettings, serve
+from frontend.tool_calls import TOOL_CALL_PARSERS
 from proto.engine_config import EngineConfig
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -43,6 +44,14 @@ def make_parser() -> argparse.ArgumentParser:
         "(`python -m core --frontend-address ADDR`); default: start the core here",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help='how to read tool calls back from the model\'s text, for tool_choice "auto" '
+        '(hermes: <tool_call>{"name": ..., "arguments": ...}</tool_call>); "required" and '
+        "named tool choices work without it",
+    )
+    parser.add_argument(
         "--disable-log-stats",
         action="store_true",
         help=f"do not log throughput and cache stats every {LOG_STATS_INTERVAL_S:.0f} s",
@@ -68,6 +77,7 @@ def parse_args(
         or DEFAULT_SERVED_MODEL_NAME,
         api_key=args.api_key,
         log_stats_interval_s=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
+        tool_call_parser=args.tool_call_parser,
     )
     return engine_config, settings, args
 

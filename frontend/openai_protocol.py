@@ -37,8 +37,6 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 # Fields of OpenAI's and vLLM's request APIs that this server does not implement, with the
 # values that ask for nothing (accepted); any other value is refused with a 400 naming the field.
 NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "guided_whitespace_pattern": (None,),
@@ -54,6 +52,11 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "modalities": (None, ["text"]),
 }
+# Tools work on the chat endpoint only (the completions API has none).
+COMPLETION_NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+}
 CHAT_NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "continue_final_message": (None, False),
@@ -67,7 +70,6 @@ IGNORED = {
     "metadata": "tags for OpenAI's stored completions; nothing is stored",
     "store": "OpenAI's storage of completions; nothing is stored",
     "service_tier": "OpenAI's processing tiers; one tier here",
-    "parallel_tool_calls": "only meaningful with tools, which are refused",
 }
 
 
@@ -164,9 +166,6 @@ class SamplingFields(OpenAIModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     guided_whitespace_pattern: Any = None
@@ -292,6 +291,15 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         return value
 
+    tools: Any = None
+    tool_choice: Any = None
+
+    @field_validator(*COMPLETION_NOT_SUPPORTED)
+    @classmethod
+    def _refuse_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = COMPLETION_NOT_SUPPORTED[info.field_name]
+        return _refuse_unless_neutral(value, info.field_name, neutral)
+
     @field_validator("suffix")
     @classmethod
     def _reject_suffix(cls, value: str | None) -> str | None:
@@ -322,24 +330,77 @@ class ContentPart(OpenAIModel):
     text: str
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[ToolCall] | None = None
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _refuse_tool_calls(cls, value: Any) -> Any:
-        return _refuse_unless_neutral(value, "tool_calls", (None, []))
-
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        """Role and text, plus a name, a tool call id or the tool calls where the message has
+        them; a call's JSON arguments become a dict, which tool-aware templates iterate."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
         return message
 
     def text(self) -> str:
@@ -357,6 +418,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     echo: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
@@ -378,7 +442,7 @@ class ChatCompletionRequest(SamplingFields):
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them: role and text, plus a name or a tool
         call id where the message has one."""
         return [m.for_template() for m in self.messages]
@@ -479,7 +543,8 @@ class ChatChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -502,6 +567,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -553,3 +619,10 @@ def _as_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text

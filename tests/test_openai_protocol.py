@@ -19,8 +19,6 @@ from frontend.openai_protocol import (
 from proto.sampling_params import StructuredOutputs
 
 REFUSED_VALUES = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required",
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "guided_whitespace_pattern": " ",
@@ -47,6 +45,14 @@ COMPLETION = {"prompt": "hi"}
 
 def test_every_refused_field_has_a_refused_value_here():
     assert set(REFUSED_VALUES) == set(NOT_SUPPORTED) | set(CHAT_NOT_SUPPORTED)
+
+
+def test_tools_are_refused_on_the_completions_endpoint():
+    with pytest.raises(ValidationError, match="tools is not supported"):
+        CompletionRequest(**COMPLETION, tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(ValidationError, match="tool_choice is not supported"):
+        CompletionRequest(**COMPLETION, tool_choice="required")
+    CompletionRequest(**COMPLETION, tools=[], tool_choice="none")
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED_VALUES))
@@ -131,20 +137,35 @@ def test_unknown_fields_are_accepted_and_logged_once_and_the_ignored_ones_accept
     logged = [r for r in caplog.records if "some_new_field" in r.getMessage()]
     assert len(logged) == 1 and "no effect" in logged[0].getMessage()
     ignored = {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"}
-    assert set(ignored) | {"parallel_tool_calls"} == set(IGNORED)
-    CompletionRequest(**COMPLETION, **ignored, parallel_tool_calls=True)
+    assert set(ignored) == set(IGNORED)
+    CompletionRequest(**COMPLETION, **ignored)
 
 
-def test_tool_calls_in_the_history_are_refused_not_dropped():
+def test_tool_calls_and_tool_messages_in_the_history_reach_the_template():
     messages = [
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]},
-        {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    with pytest.raises(ValidationError, match="tool_calls is not supported"):
-        ChatCompletionRequest(messages=messages)
-    request = ChatCompletionRequest(messages=[messages[0], messages[2]])
-    assert request.conversation()[1] == {"role": "tool", "content": "sunny", "tool_call_id": "1"}
+    conversation = ChatCompletionRequest(messages=messages).conversation()
+    assert conversation[1]["tool_calls"] == [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+        }
+    ]
+    assert conversation[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
 def test_new_sampling_fields_reach_sampling_params():
