@@ -40,6 +40,7 @@ class GenerationResult:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked
 
 
 # The cumulative counters of SchedulerStats; a workload's stats are their increase.
@@ -145,6 +146,8 @@ def run_requests(
             result = results[output.request_id]
             result.token_ids.extend(output.new_token_ids)
             result.logprobs.extend(output.new_logprobs or [])
+            if output.prompt_logprobs is not None:
+                result.prompt_logprobs = output.prompt_logprobs
             if output.finish_reason is not None:
                 result.finish_reason = str(output.finish_reason)
     elapsed_s = time.perf_counter() - start

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 
 from core.kv_cache_utils import BlockHash, hash_block_tokens
-from proto import FinishReason, SamplingParams
+from proto import FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,6 +69,11 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | None = None
         self.max_tokens = sampling_params.max_tokens
+        # Prompt logprobs gathered over the prefill chunks until the first output carries
+        # them (then None: a recomputation after a preemption adds nothing).
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None
+        )
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[BlockHash] = []

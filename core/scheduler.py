@@ -201,18 +201,25 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.prompt_logprobs:  # not sent yet: the prompt is computed again from the start
+            request.prompt_logprobs.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
+
+    def _computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Prefix-cache hits, except for a request that wants prompt logprobs: those need the
+        logits of every prompt token, which cached blocks do not have."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return KVCacheBlocks(), 0
+        return self.kv_cache_manager.get_computed_blocks(request)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek_request()
-            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(
-                request
-            )
+            computed_blocks, num_computed_tokens = self._computed_blocks(request)
             num_new_tokens = self._num_tokens_to_schedule(
                 request, num_computed_tokens, plan.token_budget
             )
@@ -291,6 +298,10 @@ class Scheduler:
             if request_id in self.requests:
                 self.finish_requests(request_id, RequestStatus.FINISHED_IGNORED)
                 outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=message))
+        for request_id, prompt_logprobs in model_runner_output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(prompt_logprobs)
         stopped_ids = set()
         logprobs = model_runner_output.logprobs
         for index, request_id in enumerate(model_runner_output.req_ids):
@@ -309,8 +320,10 @@ class Scheduler:
                     new_logprobs=[token_logprobs] if token_logprobs is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
+                    prompt_logprobs=request.prompt_logprobs,
                 )
             )
+            request.prompt_logprobs = None  # sent with the first output
             if request.is_finished():
                 stopped_ids.add(request_id)
                 self._free_request(request)

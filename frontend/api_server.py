@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -55,6 +57,8 @@ from frontend.openai_protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -73,6 +77,7 @@ SSE_DONE = "data: [DONE]\n\n"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+_LEADING_FIELD = re.compile(r"^([a-z_]+): ")
 HTTP_ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
@@ -334,9 +339,12 @@ async def _create_completion(
     for prompt_index, final in enumerate(finals):
         echo = _prompt_text(engine, final) if body.echo else ""
         for completion in final.outputs:
+            if body.scores_prompt_only:  # the one token sampled is not part of the answer
+                completion = dataclasses.replace(completion, text="", token_ids=[], logprobs=[])
             logprobs = None
             if body.logprobs is not None:
-                logprobs = _completion_logprobs(engine, completion, len(echo))
+                logprobs = _echo_logprobs(engine, final) if body.echo else CompletionLogprobs()
+                _append_logprobs(engine, logprobs, completion, len(echo))
             choices.append(
                 CompletionChoice(
                     index=prompt_index * body.n + completion.index,
@@ -344,11 +352,17 @@ async def _create_completion(
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    prompt_logprobs=(
+                        _vllm_prompt_logprobs(engine, final)
+                        if body.prompt_logprobs is not None
+                        else None
+                    ),
                 )
             )
-    return CompletionResponse(
-        id=request_id, model=model_name, choices=choices, usage=_usage(finals)
-    )
+    usage = _usage(finals)
+    if body.scores_prompt_only:
+        usage = UsageInfo.of(usage.prompt_tokens, 0)
+    return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
 
 
 async def _completion_events(
@@ -367,12 +381,15 @@ async def _completion_events(
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
                 text = completion.text
-                if body.echo and index not in choice_to_offset:
+                first = index not in choice_to_offset
+                if body.echo and first:
                     text = _prompt_text(engine, output) + text
                 offset = choice_to_offset.get(index, len(text) - len(completion.text))
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = _completion_logprobs(engine, completion, offset)
+                    echoed = body.echo and first
+                    logprobs = _echo_logprobs(engine, output) if echoed else CompletionLogprobs()
+                    _append_logprobs(engine, logprobs, completion, offset)
                 choice_to_offset[index] = offset + len(completion.text)
                 choices.append(
                     CompletionChoice(
@@ -442,7 +459,13 @@ async def _create_chat_completion(
             )
         )
     return ChatCompletionResponse(
-        id=request_id, model=model_name, choices=choices, usage=_usage([final])
+        id=request_id,
+        model=model_name,
+        choices=choices,
+        usage=_usage([final]),
+        prompt_logprobs=(
+            _vllm_prompt_logprobs(engine, final) if body.prompt_logprobs is not None else None
+        ),
     )
 
 
@@ -714,11 +737,14 @@ def _token_text(engine: AsyncEngineClient, token_id: int) -> str:
     return engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _completion_logprobs(
-    engine: AsyncEngineClient, completion: CompletionOutput, text_offset: int
-) -> CompletionLogprobs:
-    """Legacy completions logprobs; `text_offset` is where the first token's text starts."""
-    result = CompletionLogprobs()
+def _append_logprobs(
+    engine: AsyncEngineClient,
+    result: CompletionLogprobs,
+    completion: CompletionOutput,
+    text_offset: int,
+) -> None:
+    """Adds the generated tokens' legacy logprobs; `text_offset` is where the first one's text
+    starts."""
     for token_id, logprobs in zip(completion.token_ids, completion.logprobs or [], strict=False):
         token = _token_text(engine, token_id)
         result.tokens.append(token)
@@ -726,6 +752,55 @@ def _completion_logprobs(
         result.top_logprobs.append({_token_text(engine, t): lp for t, lp in _top(logprobs)})
         result.text_offset.append(text_offset)
         text_offset += len(token)
+
+
+def _echo_logprobs(engine: AsyncEngineClient, output: RequestOutput) -> CompletionLogprobs:
+    """The echoed prompt's legacy logprobs (None for its first token): lm-eval-harness sums
+    these to score a continuation."""
+    result = CompletionLogprobs()
+    text_offset = 0
+    prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    for token_id, logprobs in zip(output.prompt_token_ids, prompt_logprobs, strict=True):
+        token = _token_text(engine, token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(None if logprobs is None else logprobs.sampled_logprob)
+        result.top_logprobs.append(
+            None
+            if logprobs is None
+            else {
+                _token_text(engine, token_id): logprobs.sampled_logprob,
+                **{_token_text(engine, t): lp for t, lp in _top(logprobs)},
+            }
+        )
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+def _vllm_prompt_logprobs(engine: AsyncEngineClient, output: RequestOutput) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: logprob, rank, decoded text} for
+    the token itself and the top alternatives; None for the first token."""
+    result: PromptLogprobs = []
+    prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    for token_id, logprobs in zip(output.prompt_token_ids, prompt_logprobs, strict=True):
+        if logprobs is None:
+            result.append(None)
+            continue
+        entries = {
+            str(token_id): PromptLogprob(
+                logprob=logprobs.sampled_logprob,
+                rank=logprobs.sampled_rank,
+                decoded_token=_token_text(engine, token_id),
+            )
+        }
+        for rank, (alternative, logprob) in enumerate(_top(logprobs), start=1):
+            entries.setdefault(
+                str(alternative),
+                PromptLogprob(
+                    logprob=logprob, rank=rank, decoded_token=_token_text(engine, alternative)
+                ),
+            )
+        result.append(entries)
     return result
 
 
@@ -765,6 +840,8 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
         message = "NaN is not a number this field accepts"
     else:
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if param is None and (named := _LEADING_FIELD.match(message)):
+        param = named.group(1)  # a check across fields names the one it blames first
     return APIError(400, f"{where}: {message}" if where else message, param=param)
 
 

@@ -187,6 +187,10 @@ class AsyncEngineClient:
             raise InvalidPromptError(str(exc), param=str(exc).split()[0]) from None
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
+        if params.prompt_logprobs is not None and isinstance(self.tokenizer, NullTokenizer):
+            raise InvalidPromptError(
+                "prompt_logprobs: the null model computes no logits", param="prompt_logprobs"
+            )
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._raise_if_running(request_id)
         processor = OutputProcessor(

@@ -40,7 +40,6 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "guided_whitespace_pattern": (None,),
-    "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
     "bad_words": (None, []),
@@ -176,7 +175,7 @@ class SamplingFields(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["auto", "xgrammar"] | None = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     use_beam_search: Any = None
     length_penalty: Any = None
     bad_words: Any = None
@@ -247,7 +246,9 @@ class SamplingFields(OpenAIModel):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _make_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _make_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -270,6 +271,7 @@ class SamplingFields(OpenAIModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             structured_outputs=self.structured_outputs_field()[0],
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             **{name: value for name, value in optional.items() if value is not None},
         )
 
@@ -278,7 +280,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of them, token ids, or lists of ids."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -321,8 +323,28 @@ class CompletionRequest(SamplingFields):
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
 
+    @model_validator(mode="after")
+    def _zero_tokens_only_to_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not (self.echo and not self.stream):
+            raise ValueError(
+                "max_tokens: 0 is for scoring a prompt (echo: true, not streamed); otherwise it "
+                "must be at least 1"
+            )
+        return self
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens 0 with echo: lm-eval-harness's loglikelihood request, no generation."""
+        return self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
-        return self._make_sampling_params(self.max_tokens, self.logprobs)
+        """echo with logprobs asks for the prompt's logprobs too; max_tokens 0 generates one
+        token (the engine always samples once) that the response leaves out."""
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = max(self.prompt_logprobs, prompt_logprobs or 0)
+        max_tokens = 1 if self.scores_prompt_only else self.max_tokens
+        return self._make_sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(OpenAIModel):
@@ -504,10 +526,24 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs; with echo the prompt's tokens come first, the very first
+    with None (nothing predicts it)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -516,6 +552,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -562,6 +599,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

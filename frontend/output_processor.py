@@ -102,6 +102,7 @@ class OutputProcessor:
         self.core_request_ids = core_request_ids(request_id, sampling_params.n)
         self.error: str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self._choices = [
             ChoiceState(
                 index,
@@ -130,6 +131,8 @@ class OutputProcessor:
                     params,
                     n=1,
                     seed=None if params.seed is None else params.seed + index,
+                    # The prompt is the same for every choice: one computes its logprobs.
+                    prompt_logprobs=params.prompt_logprobs if index == 0 else None,
                 ),
                 eos_token_id=eos_token_id,
                 arrival_time=arrival_time,
@@ -161,6 +164,8 @@ class OutputProcessor:
         if choice.finished:
             return False
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None, *output.prompt_logprobs]
         choice.token_ids.extend(output.new_token_ids)
         if choice.logprobs is not None and output.new_logprobs:
             choice.logprobs.extend(output.new_logprobs)
@@ -216,6 +221,7 @@ class OutputProcessor:
             num_generated_tokens=self.num_generated_tokens,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def _apply_stop_strings(self, choice: ChoiceState, num_new_chars: int) -> bool:

@@ -37,6 +37,8 @@ class RequestOutput:
     `num_generated_tokens` counts every choice's tokens so far (the `completion_tokens` of
     OpenAI usage); `num_cached_tokens` is how many prompt tokens the prefix cache supplied.
     `error` is set when the engine failed the request (its choices finish with "error").
+    `prompt_logprobs` (when asked) has one entry per prompt token, None for the first (nothing
+    predicts it); it arrives with the first tokens and stays on every later output.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class RequestOutput:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -65,6 +65,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
     `finish_reason is None` while the request runs. `error` is set with
     `FinishReason.ERROR` (rejected prompt, dead worker) and says what went wrong.
+    `prompt_logprobs` (asked by `SamplingParams.prompt_logprobs`) come once, with the first
+    token: entry i is prompt token i + 1's logprob given the tokens before it.
     """
 
     request_id: str
@@ -74,6 +76,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

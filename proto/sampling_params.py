@@ -74,6 +74,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Messages are formatted only on failure: this runs in every process a request crosses.
@@ -125,6 +126,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                     f"logit_bias maps token ids >= 0 to biases in [-{MAX_LOGIT_BIAS}, "
                     f"{MAX_LOGIT_BIAS}], got {token_id}: {bias}"
                 )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 

@@ -67,12 +67,15 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     gets an empty list (its sample is discarded). `logprobs[i]` is set iff the request asked.
     `request_errors` names requests the worker cannot serve (e.g. a grammar that does not
     compile) with the reason; the scheduler finishes them with an error, the engine goes on.
+    `prompt_logprobs[req_id]` are the logprobs of the prompt tokens this step's chunk predicts,
+    in order, for requests that asked for them.
     """
 
     req_ids: list[str] = msgspec.field(default_factory=list)
     sampled_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
     request_errors: dict[str, str] = msgspec.field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
 
 
 class WorkerReady(msgspec.Struct, array_like=True, gc=False):

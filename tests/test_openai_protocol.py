@@ -22,7 +22,6 @@ REFUSED_VALUES = {
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "guided_whitespace_pattern": " ",
-    "prompt_logprobs": 1,
     "use_beam_search": True,
     "length_penalty": 0.5,
     "bad_words": ["x"],

@@ -742,3 +742,34 @@ def test_tool_calls_over_http_required_named_streamed_and_in_the_history(model_s
         )
     assert error.value.body["param"] == "tools"
     assert "does not render tools" in error.value.body["message"]
+
+
+@pytest.mark.slow
+def test_echo_logprobs_with_max_tokens_0_score_a_prompt_like_lm_eval(model_server):
+    """lm-eval-harness's loglikelihood request: the prompt echoed with each token's logprob
+    (the first None), nothing generated; equal to the engine's own prompt logprobs."""
+    client = openai.OpenAI(base_url=f"{model_server.base_url}/v1", api_key="unused")
+    prompt = "The capital of France is Paris"
+    scored = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=0, echo=True, logprobs=1
+    )
+    (choice,) = scored.choices
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == prompt
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    # The same numbers as vLLM's prompt_logprobs field, from the same engine pass.
+    extra = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=prompt,
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )
+    prompt_logprobs = extra.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None
+    by_position = [next(iter(entry.values()))["logprob"] for entry in prompt_logprobs[1:]]
+    assert by_position == pytest.approx(logprobs.token_logprobs[1:], abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=0)
+    assert error.value.body["param"] == "max_tokens"

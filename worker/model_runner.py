@@ -11,10 +11,20 @@ import torch
 
 from common.math_utils import cdiv
 from kernels import AttentionMetadata
-from proto import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from proto import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.sampler import Sampler, SamplingMetadata
 from worker.structured_outputs import StructuredOutputManager
+
+# Prompt positions whose logits are computed at once for prompt logprobs (a bound on the
+# [rows, vocab] float32 tensor a long prompt would otherwise need in one piece).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 class CausalLM(Protocol):
@@ -45,6 +55,8 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_rows: np.ndarray
     logits_indices: torch.Tensor
+    num_scheduled: np.ndarray  # int64 [B]: tokens of each row this step
+    first_token: np.ndarray  # int64 [B]: index of each row's first token among the T
 
 
 class ModelRunner:
@@ -99,7 +111,9 @@ class ModelRunner:
         hidden_states = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
         )
-        return self._sample(hidden_states, inputs)
+        output = self._sample(hidden_states, inputs)
+        output.prompt_logprobs = self._prompt_logprobs(hidden_states, inputs)
+        return output
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> None:
@@ -238,6 +252,8 @@ class ModelRunner:
             metadata=metadata,
             sample_rows=sample_rows,
             logits_indices=self._to_device(cu_num_scheduled[sample_rows] - 1),
+            num_scheduled=num_scheduled,
+            first_token=cu_num_scheduled - num_scheduled,
         )
 
     def _token_rows_and_positions(
@@ -280,6 +296,55 @@ class ModelRunner:
             logprobs=logprobs,
             request_errors=request_errors,
         )
+
+    def _prompt_logprobs(
+        self, hidden_states: torch.Tensor, inputs: StepInputs
+    ) -> dict[str, list[TokenLogprobs]]:
+        """For each request that asked, the logprobs of the prompt tokens this step's chunk
+        predicts: scheduled position p predicts prompt token p + 1. The LM head runs over those
+        positions only, PROMPT_LOGPROBS_ROWS at a time."""
+        batch = self.input_batch
+        result: dict[str, list[TokenLogprobs]] = {}
+        for row in range(batch.num_reqs):
+            params = batch.sampling_params[row]
+            if params is None or params.prompt_logprobs is None:
+                continue
+            first = int(batch.num_computed_tokens[row])
+            num_prompt = int(batch.num_prompt_tokens[row])
+            count = min(first + int(inputs.num_scheduled[row]), num_prompt - 1) - first
+            if count <= 0:
+                continue
+            rows = int(inputs.first_token[row]) + np.arange(count)
+            targets = batch.token_ids[row, first + 1 : first + 1 + count].astype(np.int64)
+            result[batch.req_ids[row]] = self._token_logprobs(
+                hidden_states, rows, targets, params.prompt_logprobs
+            )
+        return result
+
+    def _token_logprobs(
+        self, hidden_states: torch.Tensor, rows: np.ndarray, targets: np.ndarray, num_top: int
+    ) -> list[TokenLogprobs]:
+        out: list[TokenLogprobs] = []
+        for start in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            chunk = slice(start, start + PROMPT_LOGPROBS_ROWS)
+            logits = self.model.compute_logits(hidden_states[self._to_device(rows[chunk])])
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            target_ids = self._to_device(targets[chunk])[:, None]
+            target_logprobs = logprobs.gather(-1, target_ids)
+            ranks = ((logprobs > target_logprobs).sum(dim=-1) + 1).tolist()
+            top_logprobs, top_ids = (
+                logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], target_ids[:, :0])
+            )
+            for i, value in enumerate(target_logprobs[:, 0].tolist()):
+                out.append(
+                    TokenLogprobs(
+                        sampled_logprob=value,
+                        sampled_rank=ranks[i],
+                        top_token_ids=top_ids[i].tolist(),
+                        top_logprobs=top_logprobs[i].tolist(),
+                    )
+                )
+        return out
 
     def _check_token_count(self, num_tokens: int, scheduler_output: SchedulerOutput) -> None:
         expected = scheduler_output.total_num_scheduled_tokens

@@ -88,6 +88,10 @@ class NullWorker:
                 output.request_errors[new_req.req_id] = (
                     "structured_outputs: the null model has no vocabulary to constrain"
                 )
+            if new_req.sampling_params.prompt_logprobs is not None:
+                output.request_errors[new_req.req_id] = (
+                    "prompt_logprobs: the null model computes no logits"
+                )
         any_logprobs = False
         logprobs: list[TokenLogprobs | None] = []
         for req_id, num_computed in req_id_to_num_computed.items():
