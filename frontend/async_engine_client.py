@@ -14,6 +14,8 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
+import msgspec
+
 from common.model_files import resolve_model_path
 from frontend.core_client import AsyncCoreClient, EngineDeadError
 from frontend.metrics import EngineMetrics
@@ -115,6 +117,17 @@ class AsyncEngineClient:
         except ValueError as exc:
             raise InvalidPromptError(str(exc), param="structured_outputs") from None
 
+    def bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """Each bad word's token sequences: as written, and after a space (mid-sentence, most
+        tokenizers spell a word differently), without duplicates."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if token_ids and token_ids not in sequences:
+                    sequences.append(token_ids)
+        return sequences
+
     async def tokenize_in_thread(self, prompt: Prompt) -> list[int]:
         """`tokenize` on a worker thread for a text prompt: a long one does not hold up the
         event loop (the tokenizer runs without the GIL), so /health and streams go on."""
@@ -178,6 +191,9 @@ class AsyncEngineClient:
         """
         self._raise_if_dead()
         params = sampling_params if sampling_params is not None else SamplingParams()
+        if params.bad_words and not params.bad_words_token_ids:
+            token_ids = self.bad_words_token_ids(params.bad_words)
+            params = msgspec.structs.replace(params, bad_words_token_ids=token_ids)
         if prompt_token_ids is None or not isinstance(prompt, str):
             prompt_token_ids = self.tokenize(prompt)
         self.check_prompt_length(len(prompt_token_ids), params.max_tokens)

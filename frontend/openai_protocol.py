@@ -42,7 +42,6 @@ NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
-    "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
@@ -178,7 +177,7 @@ class SamplingFields(OpenAIModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     use_beam_search: Any = None
     length_penalty: Any = None
-    bad_words: Any = None
+    bad_words: list[str] | None = None
     allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
@@ -272,6 +271,7 @@ class SamplingFields(OpenAIModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             structured_outputs=self.structured_outputs_field()[0],
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            bad_words=list(self.bad_words or []),
             **{name: value for name, value in optional.items() if value is not None},
         )
 

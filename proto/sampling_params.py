@@ -75,6 +75,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    # The token sequences of bad_words (the frontend's tokenizer fills them in); a request's
+    # next token is banned when it would complete one of them.
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Messages are formatted only on failure: this runs in every process a request crosses.
@@ -126,6 +130,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                     f"logit_bias maps token ids >= 0 to biases in [-{MAX_LOGIT_BIAS}, "
                     f"{MAX_LOGIT_BIAS}], got {token_id}: {bias}"
                 )
+        if not all(word.strip() for word in self.bad_words):
+            raise ValueError("bad_words must not be empty or blank")
+        if not all(self.bad_words_token_ids) or any(
+            t < 0 for ids in self.bad_words_token_ids for t in ids
+        ):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids >= 0")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
@@ -137,9 +147,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
         """ValueError for a stop or biased token id the model cannot produce; the engine checks
         this where it learns the vocabulary size (the engine core, and the frontend before
         sending)."""
+        bad_word_ids = [t for ids in self.bad_words_token_ids for t in ids]
         for name, token_ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", self.logit_bias),
+            ("bad_words_token_ids", bad_word_ids),
         ):
             if token_ids and max(token_ids) >= vocab_size:
                 raise ValueError(

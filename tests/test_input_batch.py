@@ -139,3 +139,18 @@ def test_penalties_and_logit_bias_carry_each_rows_own_tokens():
     assert penalty.prompt_token_ids.tolist() == [3, 4, 4]
     assert penalty.output_token_ids.tolist() == [9, 9]
     assert meta.logit_bias[0] == ([6, 8], [2.0, -1.0])
+
+
+def test_a_token_that_would_complete_a_bad_word_is_banned():
+    batch = make_batch(max_model_len=32)
+    row = batch.add_request(
+        make_state("a", [1, 2], [1], bad_words_token_ids=[[7], [5, 6], [5, 8, 9]])
+    )
+    assert batch.sampling_metadata(np.array([row])).banned_token_ids == {0: [7]}
+    batch.append_token_ids(row, [4, 5])
+    assert batch.sampling_metadata(np.array([row])).banned_token_ids == {0: [7, 6]}
+    batch.append_token_ids(row, [8])
+    assert batch.sampling_metadata(np.array([row])).banned_token_ids == {0: [7, 9]}
+    # The prompt does not count: only generated tokens can start a bad word.
+    prompt_row = batch.add_request(make_state("b", [5], [2], bad_words_token_ids=[[5, 6]]))
+    assert batch.sampling_metadata(np.array([prompt_row])).banned_token_ids == {}

@@ -158,3 +158,14 @@ def test_a_missing_model_fails_fast_naming_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         LLM(model=str(missing))
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space(llm):
+    """The null tokenizer is byte-level: a word and its spaced form are different sequences."""
+    engine = llm._client.engine
+    assert engine.bad_words_token_ids(["ab", " ab", "c"]) == [
+        [97, 98],
+        [32, 97, 98],
+        [99],
+        [32, 99],
+    ]

@@ -24,7 +24,6 @@ REFUSED_VALUES = {
     "guided_whitespace_pattern": " ",
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "bad_words": ["x"],
     "allowed_token_ids": [1, 2],
     "truncate_prompt_tokens": 10,
     "logits_processors": ["x"],

@@ -359,6 +359,7 @@ def test_invalid_parameters_answer_400_naming_the_parameter(server):
         ({"prompt": "x", "logit_bias": {"40000": 1}}, "logit_bias"),
         ({"prompt": "x", "min_tokens": 1, "stop_token_ids": [10**6]}, "stop_token_ids"),
         ({"prompt": "x", "top_k": 2**63}, "top_k"),
+        ({"prompt": "x", "bad_words": ["ok", "  "]}, "bad_words"),
     ):
         response = post(server, "/v1/completions", body)
         assert response.status_code == 400, body

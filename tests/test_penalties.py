@@ -3,6 +3,7 @@ decoding with the same rules applied by hand to its logits."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -61,3 +62,18 @@ def test_greedy_with_penalties_equals_transformers_with_the_same_rules(tmp_path,
     assert [r.token_ids for r in output.results] == expected
     unpenalized = reference_greedy(hf_model, prompts[0], plain)
     assert expected[0] != unpenalized  # the rules changed something on this prompt
+
+
+def test_bad_words_never_appear_and_change_nothing_before_them(tmp_path):
+    folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
+    config = EngineConfig(model=str(folder), device="cpu", dtype="float32", max_model_len=64)
+    prompt = [5, 6, 7, 5, 6, 7, 5]
+    free = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    (plain,) = generate_token_ids([prompt], config, sampling_params=free).results
+    pair = plain.token_ids[2:4]  # a two-token word the model does write
+    banned = msgspec.structs.replace(free, bad_words_token_ids=[pair, [plain.token_ids[6]]])
+    (result,) = generate_token_ids([prompt], config, sampling_params=banned).results
+    tokens = result.token_ids
+    assert tokens[:3] == plain.token_ids[:3]  # up to the first word's first token, unchanged
+    assert plain.token_ids[6] not in tokens
+    assert all(tokens[i : i + 2] != pair for i in range(len(tokens) - 1))

@@ -176,19 +176,23 @@ class InputBatch:
     def _banned_token_ids(
         self, rows: list[int], params: list[SamplingParams | None]
     ) -> dict[int, list[int]]:
-        """Stop tokens are banned while a request has fewer than min_tokens outputs."""
+        """Stop tokens while a request has fewer than min_tokens outputs, and every token that
+        would complete one of its bad words."""
         banned: dict[int, list[int]] = {}
         for i, (row, p) in enumerate(zip(rows, params, strict=True)):
-            if p is None or p.min_tokens == 0:
+            if p is None:
                 continue
             num_output_tokens = int(self.num_tokens[row] - self.num_prompt_tokens[row])
-            if num_output_tokens >= p.min_tokens:
-                continue
-            stop_ids = list(p.stop_token_ids)
-            if not p.ignore_eos:
-                stop_ids.extend(self.eos_token_ids)
-            if stop_ids:
-                banned[i] = stop_ids
+            row_banned = []
+            if num_output_tokens < p.min_tokens:
+                row_banned.extend(p.stop_token_ids)
+                if not p.ignore_eos:
+                    row_banned.extend(self.eos_token_ids)
+            if p.bad_words_token_ids:
+                output = self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
+                row_banned.extend(_bad_word_endings(p.bad_words_token_ids, output))
+            if row_banned:
+                banned[i] = row_banned
         return banned
 
     def _first_free_row(self) -> int:
@@ -236,3 +240,16 @@ class InputBatch:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _bad_word_endings(bad_words: list[list[int]], output: np.ndarray) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far (as vLLM: a
+    one-token bad word is always banned)."""
+    endings = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (
+            not prefix or output[len(output) - len(prefix) :].tolist() == prefix
+        ):
+            endings.append(word[-1])
+    return endings
