@@ -774,3 +774,61 @@ def test_echo_logprobs_with_max_tokens_0_score_a_prompt_like_lm_eval(model_serve
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=0)
     assert error.value.body["param"] == "max_tokens"
+
+
+REQUEST_FIELDS = [
+    "prompt", "messages", "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+    "stop", "seed", "stream", "logprobs", "top_logprobs", "echo", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids", "min_tokens",
+    "ignore_eos", "bad_words", "response_format", "structured_outputs", "guided_json",
+    "tools", "tool_choice", "prompt_logprobs", "best_of", "suffix", "user", "stream_options",
+    "include_stop_str_in_output", "skip_special_tokens", "max_completion_tokens",
+]  # fmt: skip
+
+
+def json_values():
+    from hypothesis import strategies as st
+
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=20)
+    )
+    return st.recursive(
+        scalars,
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(st.text(max_size=8), children, max_size=4)
+        ),
+        max_leaves=12,
+    )
+
+
+def test_fuzzed_requests_never_answer_500_and_leave_the_server_alive(server):
+    """Any JSON at all in the request fields: a 4xx or an answer, never a 500 (a crash in the
+    server or the engine), and the server still healthy afterwards."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    fields = st.dictionaries(st.sampled_from(REQUEST_FIELDS), json_values(), max_size=6)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=fields, chat=st.booleans())
+    def check(body, chat):
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 64:
+            body["max_tokens"] = 64  # keep each accepted request short
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        response = httpx.post(
+            f"{server.base_url}{path}",
+            content=json.dumps(body, allow_nan=True).encode(),
+            headers=headers,
+            timeout=30,
+        )
+        assert response.status_code < 500, (body, response.text)
+
+    check()
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert "Traceback" not in server.log_tail(200_000)
