@@ -67,6 +67,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # Core-side times (monotonic): when the request joined the queue and first ran.
+        self.queued_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
         self.stop_reason: int | None = None
         self.max_tokens = sampling_params.max_tokens
         # Prompt logprobs gathered over the prefill chunks until the first output carries

@@ -240,6 +240,8 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed_tokens
@@ -321,6 +323,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
                     prompt_logprobs=request.prompt_logprobs,
+                    queue_time_s=_queue_time_s(request) if request.num_output_tokens == 1 else 0.0,
                 )
             )
             request.prompt_logprobs = None  # sent with the first output
@@ -378,3 +381,8 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
         )
+
+
+def _queue_time_s(request: Request) -> float:
+    """How long the request waited in the core before it first ran."""
+    return (request.first_scheduled_time or request.queued_time) - request.queued_time

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError, Prompt
 from frontend.core_client import EngineDeadError
+from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.openai_protocol import (
     AssistantMessage,
     ChatChoiceLogprobs,
@@ -74,7 +75,6 @@ from proto.engine_config import EngineConfig
 logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 _LEADING_FIELD = re.compile(r"^([a-z_]+): ")
@@ -122,7 +122,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = AsyncEngineClient(engine_config, address)
+        engine = AsyncEngineClient(engine_config, address, model_name=settings.served_model_name)
         try:
             await engine.start()
         except BaseException:
@@ -224,8 +224,7 @@ def _add_routes(app: FastAPI, settings: ServerSettings) -> None:
     async def metrics(request: Request) -> Response:
         engine = _engine(request)
         stats = await engine.get_stats()
-        text = engine.metrics.render_prometheus(stats, settings.served_model_name)
-        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
+        return Response(engine.metrics.render_prometheus(stats), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models(request: Request) -> ModelList:

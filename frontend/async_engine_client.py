@@ -60,11 +60,17 @@ class AsyncEngineClient:
     """
 
     def __init__(
-        self, config: EngineConfig, address: str | None = None, tokenizer: Any = None
+        self,
+        config: EngineConfig,
+        address: str | None = None,
+        tokenizer: Any = None,
+        model_name: str | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_engine_tokenizer(config)
-        self.metrics = EngineMetrics(start_time_s=time.monotonic())
+        # The `model_name` label of the metrics: the served name, else the model path.
+        metrics_name = model_name or config.model or "default"
+        self.metrics = EngineMetrics(metrics_name, start_time_s=time.monotonic())
         self._core = AsyncCoreClient(config, address)
         self._request_id_to_processor: dict[str, OutputProcessor] = {}
         self._background_tasks: set[asyncio.Task] = set()
@@ -298,6 +304,11 @@ class AsyncEngineClient:
                 self.metrics.inter_token_latency.observe(now_s - choice.last_token_time)
             choice.last_token_time = now_s
             self.metrics.record_tokens(len(output.new_token_ids))
+        if output.queue_time_s:
+            self.metrics.request_queue_time.observe(output.queue_time_s)
+        if output.finished and not choice.finished:
+            self.metrics.record_finished(str(output.finish_reason))
+            self.metrics.e2e_request_latency.observe(time.monotonic() - arrival_time_s)
         if output.finish_reason == FinishReason.ERROR:
             logger.warning("request %s failed in the engine: %s", output.request_id, output.error)
         if processor.process(output):

@@ -77,6 +77,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    queue_time_s: float = 0.0  # with the first token: how long the request waited to run
 
     @property
     def finished(self) -> bool:

@@ -9,10 +9,11 @@ import re
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.api_server import _log_stats
 from frontend.cli import DEFAULT_PORT, DEFAULT_SERVED_MODEL_NAME, parse_args
-from frontend.metrics import EngineMetrics, Histogram
+from frontend.metrics import EngineMetrics
 from proto import SchedulerStats
 from proto.engine_config import EngineConfig
 
@@ -146,21 +147,47 @@ def test_stats_are_logged_every_interval(caplog):
     assert "Running: 1 reqs" in lines[0] and "Running: 2 reqs" in lines[1]
 
 
-def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
-    histogram = Histogram((0.1, 1.0))
+def test_metrics_have_vllms_names_under_our_prefix_and_parse_as_prometheus_text():
+    metrics = EngineMetrics('a"b')
+    metrics.record_request(num_prompt_tokens=7)
+    metrics.record_tokens(3)
     for value_s in (0.05, 0.1, 0.5, 3.0):
-        histogram.observe(value_s)
-    assert histogram.render("latency", "help", 'model_name="m"') == [
-        "# HELP latency help",
-        "# TYPE latency histogram",
-        'latency_bucket{model_name="m",le="0.1"} 2',
-        'latency_bucket{model_name="m",le="1.0"} 3',
-        'latency_bucket{model_name="m",le="+Inf"} 4',
-        'latency_sum{model_name="m"} 3.65',
-        'latency_count{model_name="m"} 4',
-    ]
+        metrics.time_to_first_token.observe(value_s)
+    metrics.request_queue_time.observe(0.2)
+    metrics.e2e_request_latency.observe(1.2)
+    metrics.record_finished("stop")
+    metrics.record_finished("length")
+    metrics.record_finished("stop")
+    text = metrics.render_prometheus(make_stats(num_waiting_reqs=3, prefix_cache_hits=9))
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text.decode())
+        for sample in family.samples
+    }
+    model = ("model_name", 'a"b')
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted([model, *labels.items()])))]
+
+    assert value("core:num_requests_waiting") == 3
+    assert value("core:prefix_cache_hits_total") == 9
+    assert value("core:prompt_tokens_total") == 7
+    assert value("core:generation_tokens_total") == 3
+    assert value("core:request_success_total", finished_reason="stop") == 2
+    assert value("core:request_success_total", finished_reason="abort") == 0
+    assert value("core:time_to_first_token_seconds_bucket", le="0.1") == 2
+    assert value("core:time_to_first_token_seconds_bucket", le="+Inf") == 4
+    assert value("core:time_to_first_token_seconds_count") == 4
+    assert value("core:request_queue_time_seconds_count") == 1
+    assert value("core:e2e_request_latency_seconds_sum") == 1.2
 
 
-def test_prometheus_text_escapes_the_model_name():
-    text = EngineMetrics().render_prometheus(make_stats(num_waiting_reqs=3), 'a"b')
-    assert 'core_num_requests_waiting{model_name="a\\"b"} 3' in text
+def test_each_client_has_its_own_registry():
+    first, second = EngineMetrics("m"), EngineMetrics("m")
+    first.record_tokens(5)
+    assert b'core:generation_tokens_total{model_name="m"} 5.0' in first.render_prometheus(
+        make_stats()
+    )
+    assert b'core:generation_tokens_total{model_name="m"} 0.0' in second.render_prometheus(
+        make_stats()
+    )

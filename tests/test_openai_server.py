@@ -119,8 +119,8 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
 
 def metric(base_url: str, name: str) -> float:
     text = httpx.get(f"{base_url}/metrics").text
-    match = re.search(rf"^core_{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    assert match is not None, f"metric core_{name} missing from /metrics"
+    match = re.search(rf"^core:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    assert match is not None, f"metric core:{name} missing from /metrics"
     return float(match.group(1))
 
 
@@ -503,12 +503,21 @@ def test_models_health_and_metrics(server, client):
         "generation_tokens_total",
         "time_to_first_token_seconds_count",
         "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
     ):
-        assert re.search(rf"^core_{name}\{{model_name=\"{MODEL_NAME}\"\}} ", text, re.M), name
+        assert re.search(rf"^core:{name}\{{model_name=\"{MODEL_NAME}\"\}} ", text, re.M), name
     assert metric(server.base_url, "time_to_first_token_seconds_count") >= 1
     assert metric(server.base_url, "inter_token_latency_seconds_count") >= 2
+    assert metric(server.base_url, "e2e_request_latency_seconds_count") >= 1
+    assert metric(server.base_url, "request_queue_time_seconds_count") >= 1
     assert metric(server.base_url, "prefix_cache_queries_total") > 0
-    assert "# TYPE core_time_to_first_token_seconds histogram" in text
+    assert re.search(
+        rf'^core:request_success_total{{finished_reason="length",model_name="{MODEL_NAME}"}} ',
+        text,
+        re.M,
+    )
+    assert "# TYPE core:time_to_first_token_seconds histogram" in text
 
 
 def test_health_answers_503_after_the_core_is_killed(tmp_path):
