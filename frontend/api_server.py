@@ -5,7 +5,8 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent even
 and /detokenize, GET /version, /health and /metrics (Prometheus text). Every error uses OpenAI's
 body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid parameters (a body that
 is not JSON included), 401 for a bad API key, 404 for an unknown model or route, 405 for a wrong
-method, 500 for a bug, 503 once the engine is dead.
+method, 413 for a body over `--max-request-body-bytes`, 500 for a bug, 503 once the engine is
+dead.
 A streaming client that disconnects has its requests aborted, which frees their KV blocks.
 """
 
@@ -34,6 +35,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError, Prompt
+from frontend.body_limit import BodySizeLimit
 from frontend.core_client import EngineDeadError
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.openai_protocol import (
@@ -76,6 +78,9 @@ logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+# Larger bodies get a 413 before they are read: a whole-context prompt as JSON token ids fits
+# many times over.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 _LEADING_FIELD = re.compile(r"^([a-z_]+): ")
 HTTP_ERROR_TYPES = {
@@ -93,6 +98,7 @@ class ServerSettings:
     api_key: str | None = None
     log_stats_interval_s: float | None = 10.0
     tool_call_parser: str | None = None  # reads tool calls back for tool_choice "auto"
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 class APIError(Exception):
@@ -143,6 +149,7 @@ def build_app(
             await engine.shutdown()
 
     app = FastAPI(title="core-engine OpenAI-compatible server", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_request_body_bytes)
     app.state.settings = settings
     _add_error_handlers(app)
     _add_routes(app, settings)

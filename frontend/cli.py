@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from frontend.api_server import ServerSettings, serve
+from frontend.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings, serve
 from frontend.tool_calls import TOOL_CALL_PARSERS
 from proto.engine_config import EngineConfig
 
@@ -52,6 +52,12 @@ def make_parser() -> argparse.ArgumentParser:
         "named tool choices work without it",
     )
     parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are answered 413 before they are read",
+    )
+    parser.add_argument(
         "--disable-log-stats",
         action="store_true",
         help=f"do not log throughput and cache stats every {LOG_STATS_INTERVAL_S:.0f} s",
@@ -67,6 +73,10 @@ def parse_args(
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.max_request_body_bytes < 1024:
+        parser.error(
+            f"--max-request-body-bytes must be at least 1024, got {args.max_request_body_bytes}"
+        )
     try:
         engine_config = EngineConfig.from_cli_args(args)
     except ValueError as exc:
@@ -78,6 +88,7 @@ def parse_args(
         api_key=args.api_key,
         log_stats_interval_s=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
         tool_call_parser=args.tool_call_parser,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     return engine_config, settings, args
 

@@ -33,6 +33,7 @@ MODEL_NAME = "null-model"
 NULL_MAX_MODEL_LEN = 65536
 STARTUP_TIMEOUT_S = 120.0
 TOKENIZER = NullTokenizer()
+MAX_BODY_BYTES = 1_000_000
 SMALL_KV_CACHE_NUM_BLOCKS = 64  # instead of a multi-GiB CPU KV cache per engine
 
 
@@ -132,6 +133,7 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
             "--model", "null",
             "--served-model-name", MODEL_NAME,
             "--api-key", API_KEY,
+            "--max-request-body-bytes", str(MAX_BODY_BYTES),
             "--max-model-len", str(NULL_MAX_MODEL_LEN),
             "--max-num-seqs", "64",
             "--num-gpu-blocks-override", "8192",
@@ -415,6 +417,23 @@ def test_every_error_has_the_openai_shape(server):
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert "must be JSON" in response.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    body = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 10), "max_tokens": 1}).encode()
+    response = httpx.post(f"{server.base_url}/v1/completions", content=body, headers=headers)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large" and str(MAX_BODY_BYTES) in error["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(20):
+            yield b"x" * 100_000
+
+    response = httpx.post(f"{server.base_url}/v1/completions", content=chunks(), headers=headers)
+    assert response.status_code == 413
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
 def test_bad_text_and_numbers_are_400_naming_what_is_wrong(server):
