@@ -91,6 +91,15 @@ class OpenAIModel(BaseModel):
 _LOGGED_UNKNOWN_FIELDS: set[tuple[str, str]] = set()
 
 
+def _refusing(table: dict[str, tuple[Any, ...]]) -> Any:
+    """A validator for the fields of `table` that lets only their neutral values through."""
+
+    def refuse(cls: type, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_neutral(value, info.field_name, table[info.field_name])
+
+    return field_validator(*table)(classmethod(refuse))
+
+
 def _refuse_unless_neutral(value: Any, field: str, neutral: tuple[Any, ...]) -> Any:
     if any(value == allowed for allowed in neutral):
         return value
@@ -186,10 +195,7 @@ class SamplingFields(OpenAIModel):
     reasoning_effort: Any = None
     modalities: Any = None
 
-    @field_validator(*NOT_SUPPORTED)
-    @classmethod
-    def _refuse_not_supported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_unless_neutral(value, info.field_name, NOT_SUPPORTED[info.field_name])
+    _refuse_not_supported = _refusing(NOT_SUPPORTED)
 
     @field_validator("logit_bias")
     @classmethod
@@ -296,11 +302,7 @@ class CompletionRequest(SamplingFields):
     tools: Any = None
     tool_choice: Any = None
 
-    @field_validator(*COMPLETION_NOT_SUPPORTED)
-    @classmethod
-    def _refuse_tools(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral = COMPLETION_NOT_SUPPORTED[info.field_name]
-        return _refuse_unless_neutral(value, info.field_name, neutral)
+    _refuse_tools = _refusing(COMPLETION_NOT_SUPPORTED)
 
     @field_validator("suffix")
     @classmethod
@@ -449,10 +451,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Any = None
     documents: Any = None
 
-    @field_validator(*CHAT_NOT_SUPPORTED)
-    @classmethod
-    def _refuse_chat_not_supported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_unless_neutral(value, info.field_name, CHAT_NOT_SUPPORTED[info.field_name])
+    _refuse_chat_not_supported = _refusing(CHAT_NOT_SUPPORTED)
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:

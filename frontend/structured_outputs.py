@@ -29,13 +29,7 @@ def check_structured_outputs(constraint: StructuredOutputs) -> None:
 def _problem(cache_key: bytes) -> str | None:
     constraint = msgspec.msgpack.decode(cache_key, type=StructuredOutputs)
     try:
-        build_grammar(
-            json_schema=constraint.json,
-            json_object=constraint.json_object,
-            regex=constraint.regex,
-            choice=constraint.choice,
-            ebnf=constraint.grammar,
-        )
+        build_grammar(**constraint.grammar_spec())
     except GrammarUnavailableError as exc:
         return str(exc)
     except ValueError as exc:

@@ -39,6 +39,16 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, gc=False):
         if self.choice is not None and not self.choice:
             raise ValueError("structured_outputs.choice must list at least one string")
 
+    def grammar_spec(self) -> dict[str, object]:
+        """The keyword arguments of `common.grammars.build_grammar` for this constraint."""
+        return {
+            "json_schema": self.json,
+            "json_object": self.json_object,
+            "regex": self.regex,
+            "choice": self.choice,
+            "ebnf": self.grammar,
+        }
+
     @property
     def cache_key(self) -> bytes:
         """Equal for equal constraints: what compiled grammars are cached by."""

@@ -140,16 +140,21 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
         ],
         log_path,
     )  # fmt: skip
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from serving(server)
 
 
 @pytest.fixture()
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def serving(server: ServerProcess) -> Iterator[ServerProcess]:
+    """For fixtures: `server` once it answers /health, stopped when the fixture ends."""
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 def post(server: ServerProcess, path: str, body: dict, key: str = API_KEY) -> httpx.Response:
@@ -641,11 +646,7 @@ def model_server(tmp_path_factory) -> Iterator[ServerProcess]:
         ],
         tmp_path_factory.mktemp("model-server") / "log",
     )  # fmt: skip
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from serving(server)
 
 
 @pytest.mark.slow

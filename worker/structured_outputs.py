@@ -141,13 +141,7 @@ class StructuredOutputManager:
         return future
 
     def _compile(self, constraint: StructuredOutputs) -> Any:
-        grammar = build_grammar(
-            json_schema=constraint.json,
-            json_object=constraint.json_object,
-            regex=constraint.regex,
-            choice=constraint.choice,
-            ebnf=constraint.grammar,
-        )
+        grammar = build_grammar(**constraint.grammar_spec())
         if self._compiler is None:
             xgr = xgrammar()
             self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
