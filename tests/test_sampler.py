@@ -215,3 +215,22 @@ def test_logit_bias_can_force_or_forbid_a_token():
     assert sampled[0] == 7
     assert sampled[1] == int(logits[1].topk(2).indices[1])
     assert best == int(logits[0].argmax())  # the caller's logits are not changed
+
+
+def test_several_penalized_rows_each_get_their_own_penalties_in_one_pass():
+    logits = random_logits(4, seed=9) * 3
+    histories = {
+        0: ([1, 2], [2, 2, 3], (0.3, 0.5, 1.2)),
+        2: ([4, 4, 4, 9], [], (1.0, 1.0, 0.7)),
+        3: ([], [8, 8, 8, 8, 1], (-0.5, 0.25, 1.0)),
+    }
+    penalties = {
+        row: RowPenalties(*params, torch.tensor(prompt), torch.tensor(output))
+        for row, (prompt, output, params) in histories.items()
+    }
+    processed = logits.clone()
+    _apply_penalties(processed, penalties)
+    for row, (prompt, output, params) in histories.items():
+        expected = reference_penalized(logits[row], prompt, output, *params)
+        torch.testing.assert_close(processed[row], expected)
+    assert torch.equal(processed[1], logits[1])

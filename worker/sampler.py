@@ -127,21 +127,42 @@ def _add_logit_bias(
 
 
 def _apply_penalties(logits: torch.Tensor, penalties: dict[int, RowPenalties]) -> None:
-    """In place, one row at a time: only rows that asked for a penalty pay for one."""
+    """In place, for the penalized rows together: their token counts and seen-token masks are
+    built with one scatter each over [rows, vocab], then every penalty is one tensor op. Rows
+    that asked for none are not touched and cost nothing."""
+    if not penalties:
+        return
     vocab_size = logits.shape[-1]
-    for row, penalty in penalties.items():
-        row_logits = logits[row]
-        if penalty.repetition != 1.0:
-            seen = torch.zeros(vocab_size, dtype=torch.bool, device=logits.device)
-            seen[penalty.prompt_token_ids] = True
-            seen[penalty.output_token_ids] = True
-            penalized = torch.where(
-                row_logits > 0, row_logits / penalty.repetition, row_logits * penalty.repetition
-            )
-            row_logits.copy_(torch.where(seen, penalized, row_logits))
-        if penalty.frequency != 0.0 or penalty.presence != 0.0:
-            counts = torch.bincount(penalty.output_token_ids, minlength=vocab_size)[:vocab_size]
-            row_logits -= penalty.frequency * counts + penalty.presence * (counts > 0)
+    rows = torch.tensor(list(penalties), device=logits.device)
+    values = list(penalties.values())
+
+    def column(name: str) -> torch.Tensor:
+        numbers = [getattr(penalty, name) for penalty in values]
+        return torch.tensor(numbers, dtype=logits.dtype, device=logits.device)[:, None]
+
+    output_counts = _token_counts([p.output_token_ids for p in values], vocab_size, logits)
+    prompt_counts = _token_counts([p.prompt_token_ids for p in values], vocab_size, logits)
+    penalized = logits[rows]
+    repetition = column("repetition")
+    seen = (output_counts + prompt_counts) > 0
+    repeated = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+    penalized = torch.where(seen, repeated, penalized)
+    penalized -= column("frequency") * output_counts + column("presence") * (output_counts > 0)
+    logits[rows] = penalized
+
+
+def _token_counts(
+    token_ids: list[torch.Tensor], vocab_size: int, like: torch.Tensor
+) -> torch.Tensor:
+    """[rows, vocab] how often each token occurs in each row's list (a scatter of ones over the
+    lists padded with an extra column, dropped after)."""
+    length = max((len(ids) for ids in token_ids), default=0)
+    padded = torch.full((len(token_ids), length), vocab_size, dtype=torch.int64, device=like.device)
+    for row, ids in enumerate(token_ids):
+        padded[row, : len(ids)] = ids
+    counts = torch.zeros((len(token_ids), vocab_size + 1), dtype=like.dtype, device=like.device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=like.dtype))
+    return counts[:, :vocab_size]
 
 
 def _mask_banned(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -> torch.Tensor:
