@@ -4,8 +4,8 @@ Two `core-serve` processes, one after the other, identical but for `--enable-pre
 `--no-enable-prefix-caching`, receive the same sequence of streamed requests, one at a time:
 each prompt is the same 1,000-token system prompt followed by its own short question (token ids,
 so the boundary is exact). TTFT is compared over the requests after the first (the first one
-fills the cache). The hit rate is read from /metrics (`core_prefix_cache_hits_total /
-core_prefix_cache_queries_total`, counted over the measured requests) and compared with the
+fills the cache). The hit rate is read from /metrics (`core:prefix_cache_hits_total /
+core:prefix_cache_queries_total`, counted over the measured requests) and compared with the
 ideal: every request after the first hits every full block of the system prompt.
 
 Goals: hit rate within 1% of the ideal (relative: at least 0.99 x ideal); TTFT at least 5x
@@ -53,8 +53,8 @@ MAX_TOKENS = 4
 TARGET_TTFT_SPEEDUP = 5.0
 MAX_HIT_RATE_SHORTFALL = 0.01  # relative to the ideal hit rate
 QUICK_SYSTEM_PROMPT_TOKENS = 256
-QUERIES_METRIC = "core_prefix_cache_queries_total"
-HITS_METRIC = "core_prefix_cache_hits_total"
+QUERIES_METRIC = "core:prefix_cache_queries_total"
+HITS_METRIC = "core:prefix_cache_hits_total"
 
 
 def build_prompts(
