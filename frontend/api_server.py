@@ -38,15 +38,19 @@ from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError, 
 from frontend.body_limit import BodySizeLimit
 from frontend.core_client import EngineDeadError
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from frontend.openai_logprobs import (
+    append_logprobs,
+    chat_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
 from frontend.openai_protocol import (
     AssistantMessage,
-    ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -60,18 +64,15 @@ from frontend.openai_protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    PromptLogprob,
-    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
-    TopLogprob,
     UsageInfo,
     VersionResponse,
     random_id,
 )
 from frontend.request_output import CompletionOutput, RequestOutput
 from frontend.tool_calls import ToolChoiceError, ToolPlan, plan_tools
-from proto import SamplingParams, TokenLogprobs
+from proto import SamplingParams
 from proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -349,8 +350,8 @@ async def _create_completion(
                 completion = dataclasses.replace(completion, text="", token_ids=[], logprobs=[])
             logprobs = None
             if body.logprobs is not None:
-                logprobs = _echo_logprobs(engine, final) if body.echo else CompletionLogprobs()
-                _append_logprobs(engine, logprobs, completion, len(echo))
+                logprobs = echo_logprobs(engine, final) if body.echo else CompletionLogprobs()
+                append_logprobs(engine, logprobs, completion, len(echo))
             choices.append(
                 CompletionChoice(
                     index=prompt_index * body.n + completion.index,
@@ -359,7 +360,7 @@ async def _create_completion(
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                     prompt_logprobs=(
-                        _vllm_prompt_logprobs(engine, final)
+                        vllm_prompt_logprobs(engine, final)
                         if body.prompt_logprobs is not None
                         else None
                     ),
@@ -394,8 +395,8 @@ async def _completion_events(
                 logprobs = None
                 if body.logprobs is not None:
                     echoed = body.echo and first
-                    logprobs = _echo_logprobs(engine, output) if echoed else CompletionLogprobs()
-                    _append_logprobs(engine, logprobs, completion, offset)
+                    logprobs = echo_logprobs(engine, output) if echoed else CompletionLogprobs()
+                    append_logprobs(engine, logprobs, completion, offset)
                 choice_to_offset[index] = offset + len(completion.text)
                 choices.append(
                     CompletionChoice(
@@ -459,7 +460,7 @@ async def _create_chat_completion(
             ChatCompletionChoice(
                 index=completion.index,
                 message=AssistantMessage(content=content, tool_calls=tool_calls),
-                logprobs=_chat_logprobs(engine, completion) if body.logprobs else None,
+                logprobs=chat_logprobs(engine, completion) if body.logprobs else None,
                 finish_reason=_chat_finish_reason(plan, completion.finish_reason, tool_calls),
                 stop_reason=completion.stop_reason,
             )
@@ -470,7 +471,7 @@ async def _create_chat_completion(
         choices=choices,
         usage=_usage([final]),
         prompt_logprobs=(
-            _vllm_prompt_logprobs(engine, final) if body.prompt_logprobs is not None else None
+            vllm_prompt_logprobs(engine, final) if body.prompt_logprobs is not None else None
         ),
     )
 
@@ -539,7 +540,7 @@ async def _chat_events(
                         index=completion.index,
                         delta=delta or DeltaMessage(),
                         logprobs=(
-                            _chat_logprobs(engine, completion)
+                            chat_logprobs(engine, completion)
                             if body.logprobs and plan.mode in ("none", "named")
                             else None
                         ),
@@ -737,102 +738,6 @@ def _prompt_text(engine: AsyncEngineClient, output: RequestOutput) -> str:
     if output.prompt is not None:
         return output.prompt
     return engine.tokenizer.decode(output.prompt_token_ids)
-
-
-def _token_text(engine: AsyncEngineClient, token_id: int) -> str:
-    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _append_logprobs(
-    engine: AsyncEngineClient,
-    result: CompletionLogprobs,
-    completion: CompletionOutput,
-    text_offset: int,
-) -> None:
-    """Adds the generated tokens' legacy logprobs; `text_offset` is where the first one's text
-    starts."""
-    for token_id, logprobs in zip(completion.token_ids, completion.logprobs or [], strict=False):
-        token = _token_text(engine, token_id)
-        result.tokens.append(token)
-        result.token_logprobs.append(logprobs.sampled_logprob)
-        result.top_logprobs.append({_token_text(engine, t): lp for t, lp in _top(logprobs)})
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
-
-
-def _echo_logprobs(engine: AsyncEngineClient, output: RequestOutput) -> CompletionLogprobs:
-    """The echoed prompt's legacy logprobs (None for its first token): lm-eval-harness sums
-    these to score a continuation."""
-    result = CompletionLogprobs()
-    text_offset = 0
-    prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    for token_id, logprobs in zip(output.prompt_token_ids, prompt_logprobs, strict=True):
-        token = _token_text(engine, token_id)
-        result.tokens.append(token)
-        result.token_logprobs.append(None if logprobs is None else logprobs.sampled_logprob)
-        result.top_logprobs.append(
-            None
-            if logprobs is None
-            else {
-                _token_text(engine, token_id): logprobs.sampled_logprob,
-                **{_token_text(engine, t): lp for t, lp in _top(logprobs)},
-            }
-        )
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
-    return result
-
-
-def _vllm_prompt_logprobs(engine: AsyncEngineClient, output: RequestOutput) -> PromptLogprobs:
-    """vLLM's `prompt_logprobs`: per prompt token, {token id: logprob, rank, decoded text} for
-    the token itself and the top alternatives; None for the first token."""
-    result: PromptLogprobs = []
-    prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    for token_id, logprobs in zip(output.prompt_token_ids, prompt_logprobs, strict=True):
-        if logprobs is None:
-            result.append(None)
-            continue
-        entries = {
-            str(token_id): PromptLogprob(
-                logprob=logprobs.sampled_logprob,
-                rank=logprobs.sampled_rank,
-                decoded_token=_token_text(engine, token_id),
-            )
-        }
-        for rank, (alternative, logprob) in enumerate(_top(logprobs), start=1):
-            entries.setdefault(
-                str(alternative),
-                PromptLogprob(
-                    logprob=logprob, rank=rank, decoded_token=_token_text(engine, alternative)
-                ),
-            )
-        result.append(entries)
-    return result
-
-
-def _chat_logprobs(engine: AsyncEngineClient, completion: CompletionOutput) -> ChatChoiceLogprobs:
-    content = []
-    for token_id, logprobs in zip(completion.token_ids, completion.logprobs or [], strict=False):
-        token = _token_text(engine, token_id)
-        top = [
-            TopLogprob(
-                token=(text := _token_text(engine, t)), logprob=lp, bytes=list(text.encode())
-            )
-            for t, lp in _top(logprobs)
-        ]
-        content.append(
-            ChatTokenLogprob(
-                token=token,
-                logprob=logprobs.sampled_logprob,
-                bytes=list(token.encode()),
-                top_logprobs=top,
-            )
-        )
-    return ChatChoiceLogprobs(content=content)
-
-
-def _top(logprobs: TokenLogprobs) -> list[tuple[int, float]]:
-    return list(zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True))
 
 
 def _validation_error(errors: Sequence[Any]) -> APIError:
