@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,3 +61,11 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
+
+
+def python_module_command(module: str) -> list[str]:
+    """The command that runs `python -m module` in a child process with a safe import path
+    (`-P`, Python 3.11+): the current folder is not put first on sys.path, so a user's own
+    `core/` or `worker/` folder there never shadows the engine's packages."""
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", module]

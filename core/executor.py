@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import msgspec
 import zmq
 
 from common.ports import find_free_port
-from common.process_watch import describe_exit, stop_process
+from common.process_watch import describe_exit, python_module_command, stop_process
 from proto import (
     InitKVCache,
     KVCacheReady,
@@ -86,7 +85,7 @@ class Executor:
         timeout_s = max(self.config.startup_timeout_s, self.config.step_timeout_s)
         pipe, child_end = pipe_pair(timeout_s)
         argv = [
-            sys.executable, "-m", "worker",
+            *python_module_command("worker"),
             "--rank", str(rank),
             "--world-size", str(self.config.tensor_parallel_size),
             "--pipe-fd", str(child_end.fileno()),

@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import msgspec
@@ -25,7 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from common.process_watch import describe_exit, stop_process
+from common.process_watch import describe_exit, python_module_command, stop_process
 from proto import (
     AbortRequests,
     EngineCoreOutput,
@@ -151,7 +150,7 @@ class AsyncCoreClient:
 
     def _launch_core(self) -> subprocess.Popen:
         argv = [
-            sys.executable, "-m", "core",
+            *python_module_command("core"),
             "--frontend-address", self.address,
             "--config", self.config.to_b64(),
             "--watch-parent",

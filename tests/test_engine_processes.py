@@ -504,3 +504,27 @@ def test_kill_9_of_the_frontend_makes_the_core_and_its_worker_exit():
         kill_all(pids)
         frontend.stdout.close()
         shutil.rmtree(ipc_dir, ignore_errors=True)  # left only if the test failed
+
+
+def test_a_users_own_core_and_worker_folders_do_not_shadow_the_engine(tmp_path):
+    """The engine's subprocesses start with a safe import path: run from a folder holding
+    packages named core/ and worker/, the engine still runs its own."""
+    for name in ("core", "worker"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            f"open({str(tmp_path / (name + '.imported'))!r}, 'w').close()\n"
+            f"raise SystemExit('a user package named {name} was imported')\n"
+        )
+    script = (
+        "from frontend.llm import LLM\n"
+        "from proto import SamplingParams\n"
+        "with LLM(model='null', max_model_len=64) as llm:\n"
+        "    (out,) = llm.generate('hi', SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "    print(len(out.outputs[0].token_ids))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "2"
+    assert not list(tmp_path.glob("*.imported"))
