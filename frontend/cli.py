@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ from proto.engine_config import EngineConfig
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PORT = 8000
+API_KEY_ENV = "CORE_ENGINE_API_KEY"
 LOG_STATS_INTERVAL_S = 10.0
 
 
@@ -30,7 +32,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     parser.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes"
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes (default: $CORE_ENGINE_API_KEY, "
+        "which `ps` does not show)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -85,7 +90,7 @@ def parse_args(
         served_model_name=args.served_model_name
         or engine_config.model
         or DEFAULT_SERVED_MODEL_NAME,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         log_stats_interval_s=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
         tool_call_parser=args.tool_call_parser,
         max_request_body_bytes=args.max_request_body_bytes,

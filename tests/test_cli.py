@@ -191,3 +191,13 @@ def test_each_client_has_its_own_registry():
     assert b'core:generation_tokens_total{model_name="m"} 0.0' in second.render_prometheus(
         make_stats()
     )
+
+
+def test_the_api_key_may_come_from_the_environment_and_the_flag_wins(monkeypatch):
+    monkeypatch.delenv("CORE_ENGINE_API_KEY", raising=False)
+    assert parse_args([])[1].api_key is None
+    monkeypatch.setenv("CORE_ENGINE_API_KEY", "from-env")
+    assert parse_args([])[1].api_key == "from-env"
+    assert parse_args(["--api-key", "from-flag"])[1].api_key == "from-flag"
+    monkeypatch.setenv("CORE_ENGINE_API_KEY", "")
+    assert parse_args([])[1].api_key is None
