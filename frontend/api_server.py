@@ -19,6 +19,7 @@ import logging
 import math
 import re
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
@@ -164,15 +165,37 @@ def serve(
     port: int = 8000,
     address: str | None = None,
 ) -> None:
-    """Runs the server until SIGINT/SIGTERM, then drains for a few seconds and stops the engine."""
+    """Runs the server until SIGINT/SIGTERM, then drains for a few seconds and stops the engine.
+
+    The port is bound before anything else (uvicorn would bind it only after the engine has
+    loaded its model): a busy port is a PortInUseError at once, naming it.
+    """
+    sock = bind_port(host, port)
     app = build_app(engine_config, settings, address)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="info",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    config = uvicorn.Config(
+        app, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S
     )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class PortInUseError(OSError):
+    """The HTTP port cannot be bound."""
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv6 when `host` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(
+            exc.errno, f"cannot listen on {host}:{port}: {exc.strerror} (is another server there?)"
+        ) from None
+    sock.listen(2048)
+    return sock
 
 
 async def _log_stats(engine: AsyncEngineClient, interval_s: float) -> None:

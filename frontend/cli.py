@@ -13,7 +13,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from frontend.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings, serve
+from frontend.api_server import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    PortInUseError,
+    ServerSettings,
+    serve,
+)
 from frontend.tool_calls import TOOL_CALL_PARSERS
 from proto.engine_config import EngineConfig
 
@@ -105,7 +110,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    serve(engine_config, settings, args.host, args.port, args.frontend_address)
+    try:
+        serve(engine_config, settings, args.host, args.port, args.frontend_address)
+    except PortInUseError as exc:
+        logging.getLogger("core-serve").error("%s", exc.strerror)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -861,3 +862,20 @@ def test_fuzzed_requests_never_answer_500_and_leave_the_server_alive(server):
     check()
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert "Traceback" not in server.log_tail(200_000)
+
+
+def test_a_busy_port_fails_at_once_naming_it_before_any_engine_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "frontend.cli", "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    # The default model was never loaded: no engine core was started.
+    assert "engine core" not in result.stderr and "Traceback" not in result.stderr
