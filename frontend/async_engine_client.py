@@ -71,7 +71,9 @@ class AsyncEngineClient:
         # The `model_name` label of the metrics: the served name, else the model path.
         metrics_name = model_name or config.model or "default"
         self.metrics = EngineMetrics(metrics_name, start_time_s=time.monotonic())
-        self._core = AsyncCoreClient(config, address)
+        # Given an address, attach to the core started there (`python -m core
+        # --frontend-address ADDRESS`); never start a second one.
+        self._core = AsyncCoreClient(config, address, launch_core=address is None)
         self._request_id_to_processor: dict[str, OutputProcessor] = {}
         self._background_tasks: set[asyncio.Task] = set()
 

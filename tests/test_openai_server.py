@@ -879,3 +879,42 @@ def test_a_busy_port_fails_at_once_naming_it_before_any_engine_starts(tmp_path):
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     # The default model was never loaded: no engine core was started.
     assert "engine core" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_core_serve_attaches_to_a_separately_started_core_and_starts_none(tmp_path):
+    """`core-serve --frontend-address ADDR` waits for `python -m core --frontend-address ADDR`:
+    that core's one worker serves the requests, and core-serve starts no engine of its own."""
+    address = f"ipc://{tmp_path}/engine"
+    core = subprocess.Popen(
+        [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
+    )
+    server = ServerProcess(
+        ["--model", "null", "--frontend-address", address, "--disable-log-stats"],
+        tmp_path / "log",
+    )
+    try:
+        server.wait_ready()
+        assert descendant_pids(server.process.pid) == set()  # no core of its own
+        workers = descendant_pids(core.pid)
+        assert len(workers) == 1
+        response = httpx.post(
+            f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}
+        )
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 3
+        assert descendant_pids(core.pid) == workers
+    finally:
+        server.stop()
+        core.terminate()
+        core.wait(30)
+
+
+def test_attaching_to_an_address_where_no_core_answers_fails_in_time(tmp_path):
+    from frontend import EngineClient
+
+    config = EngineConfig(model="null", startup_timeout_s=2.0)
+    start = time.monotonic()
+    # Bounded by the core's own start-up budget: twice startup_timeout_s plus shutdown_timeout_s.
+    with pytest.raises(TimeoutError, match="engine core at ipc://.*/nobody was not ready within"):
+        EngineClient(config, f"ipc://{tmp_path}/nobody")
+    assert time.monotonic() - start < 2 * 2.0 + config.shutdown_timeout_s + 5
