@@ -94,10 +94,11 @@ class EngineCoreProc:
 
     def run(self) -> int:
         _install_signal_handlers()
+        start = time.monotonic()
         try:
             ready = self._start_engine()
             self.input_socket.send_multipart(self.encoder.encode(ready))
-            logger.info("engine core ready: %s", ready)
+            logger.info(describe_ready(ready, time.monotonic() - start))
             self._run_busy_loop()
         except ShutdownRequested as exc:
             logger.info("engine core shutting down on %s", exc)
@@ -307,3 +308,14 @@ def _peek_request_id(frames: list[memoryview], max_frame_bytes: int) -> str | No
     if isinstance(fields, list) and fields and isinstance(fields[0], str):
         return fields[0]
     return None
+
+
+def describe_ready(ready: EngineReady, start_s: float) -> str:
+    """The engine's start-up summary: its KV pool in tokens and what that holds at full length."""
+    num_tokens = ready.num_gpu_blocks * ready.block_size
+    return (
+        f"engine core ready in {start_s:.1f} s: KV cache of {ready.num_gpu_blocks} blocks = "
+        f"{num_tokens} tokens, max_model_len {ready.max_model_len} (up to "
+        f"{num_tokens // ready.max_model_len} requests at full length at once), step budget "
+        f"{ready.max_num_batched_tokens} tokens, vocabulary {ready.vocab_size}"
+    )

@@ -128,7 +128,7 @@ class AsyncCoreClient:
         except BaseException:
             await self.shutdown()
             raise
-        logger.info("engine core ready: %s", self.ready)
+        logger.info("connected to the engine core at %s", self.address)
         self._start_dispatching()
 
     def _make_private_ipc_address(self) -> str:

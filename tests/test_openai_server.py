@@ -918,3 +918,16 @@ def test_attaching_to_an_address_where_no_core_answers_fails_in_time(tmp_path):
     with pytest.raises(TimeoutError, match="engine core at ipc://.*/nobody was not ready within"):
         EngineClient(config, f"ipc://{tmp_path}/nobody")
     assert time.monotonic() - start < 2 * 2.0 + config.shutdown_timeout_s + 5
+
+
+@pytest.mark.slow
+def test_the_start_up_log_says_what_runs_where_without_gpu_words_on_a_cpu(model_server):
+    log = model_server.log_tail(200_000)
+    worker_line = next(line for line in log.splitlines() if "worker rank 0:" in line)
+    assert ".gguf (LlamaForCausalLM) on cpu" in worker_line
+    assert re.search(
+        r"threads, loaded in [\d.]+ s; room for a KV cache of [\d.]+ GiB = \d+ blocks", worker_line
+    )
+    core_line = next(line for line in log.splitlines() if "engine core ready in" in line)
+    assert re.search(r"= \d+ tokens, max_model_len 512 \(up to \d+ requests", core_line)
+    assert "gpu" not in log.lower()

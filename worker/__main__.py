@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from common.process_watch import exit_when_orphaned
 from proto import (
@@ -30,7 +31,7 @@ from proto import (
 from proto.engine_config import EngineConfig
 from proto.message_pipe import MessagePipe, PeerClosedError
 from worker.host_allocator import keep_freed_memory
-from worker.worker_factory import make_worker, worker_ready
+from worker.worker_factory import describe_worker, make_worker, worker_ready
 
 logger = logging.getLogger("worker")
 
@@ -52,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     pipe = MessagePipe.from_fd(args.pipe_fd)
     encoder = MessageEncoder()
     try:
+        start = time.monotonic()
         worker = make_worker(config, args.rank, args.world_size)
         worker.load_model()
         _share_cpu_cores(config, worker, args.world_size)
         ready = worker_ready(worker, args.rank)
+        logger.info(describe_worker(worker, ready, time.monotonic() - start))
         pipe.send(encoder.encode(ready))
         _serve(worker, args.rank, pipe, encoder)
         _leave_process_group(config, args.world_size)

@@ -54,3 +54,21 @@ def worker_ready(worker, rank: int, num_gpu_blocks: int | None = None) -> Worker
         max_num_seqs=worker.max_num_seqs,
         eos_token_ids=list(worker.eos_token_ids),
     )
+
+
+def describe_worker(worker, ready: WorkerReady, load_s: float) -> str:
+    """The start-up log line of a loaded worker: what runs where, and how much KV fits."""
+    if not hasattr(worker, "model_config"):  # the null model
+        return f"worker rank {ready.rank}: null model on {ready.device}, {ready.num_gpu_blocks} KV blocks"
+    import torch
+
+    device = worker.device
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    kv_bytes = ready.num_gpu_blocks * worker.bytes_per_block
+    num_tokens = ready.num_gpu_blocks * ready.block_size
+    return (
+        f"worker rank {ready.rank}: {worker.model_path} ({worker.model_config.architecture}) on "
+        f"{device}, {str(worker.dtype).removeprefix('torch.')}{threads}, loaded in {load_s:.1f} s; "
+        f"room for a KV cache of {kv_bytes / 2**30:.2f} GiB = {ready.num_gpu_blocks} blocks of "
+        f"{ready.block_size} = {num_tokens} tokens"
+    )
