@@ -180,8 +180,8 @@ class InputBatch:
         would complete one of its bad words."""
         banned: dict[int, list[int]] = {}
         for i, (row, p) in enumerate(zip(rows, params, strict=True)):
-            if p is None:
-                continue
+            if p is None or (p.min_tokens == 0 and not p.bad_words_token_ids):
+                continue  # the common case costs no array arithmetic
             num_output_tokens = int(self.num_tokens[row] - self.num_prompt_tokens[row])
             row_banned = []
             if num_output_tokens < p.min_tokens:
