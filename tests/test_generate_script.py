@@ -1,25 +1,35 @@
-"""scripts/generate.py, the in-process command line."""
+"""scripts/generate.py, the in-process command line, run as users run it: as a program."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from frontend.tokenizer import load_tokenizer
-from scripts.generate import main
 from tests.model_fixtures import build_tiny_model_folder
 from tests.test_generation_parity import hf_greedy
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
-def test_cli_prints_one_json_line_per_prompt_in_order(tmp_path, capsys):
+
+def test_cli_prints_one_json_line_per_prompt_in_order(tmp_path):
     folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
     prompts = ["hello there, how are you?", "a", "The quick brown fox"]
     argv = ["--model", str(folder), "--device", "cpu", "--max-tokens", "6", "--ignore-eos"]
     argv += ["--num-gpu-blocks-override", "64", "--max-num-batched-tokens", "8", *prompts]
-    assert main(argv) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["prompt"] for line in lines] == prompts
     assert all(line["finish_reason"] == "length" for line in lines)
 
