@@ -16,6 +16,13 @@ from tests.model_fixtures import build_tiny_model_folder
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32], [40, 41]]
 
 
+def tiny_config(folder, **overrides) -> EngineConfig:
+    """The tiny model in float32 on the CPU (block size 16, 64-token context)."""
+    return EngineConfig(
+        model=str(folder), device="cpu", dtype="float32", max_model_len=64, **overrides
+    )
+
+
 def reference(model, prompt: list[int], num_top: int) -> list[tuple[float, int, list[int]]]:
     with torch.no_grad():
         logprobs = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
@@ -30,13 +37,7 @@ def reference(model, prompt: list[int], num_top: int) -> list[tuple[float, int, 
 @pytest.mark.parametrize("budget", [64, 8], ids=["whole", "chunked"])
 def test_prompt_logprobs_equal_transformers(tmp_path, budget):
     folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
-    config = EngineConfig(
-        model=str(folder),
-        device="cpu",
-        dtype="float32",
-        max_model_len=64,
-        max_num_batched_tokens=budget,
-    )
+    config = tiny_config(folder, max_num_batched_tokens=budget)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
     output = generate_token_ids(PROMPTS, config, sampling_params=params)
     hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -51,7 +52,7 @@ def test_prompt_logprobs_equal_transformers(tmp_path, budget):
 
 def test_requests_without_prompt_logprobs_get_none(tmp_path):
     folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
-    config = EngineConfig(model=str(folder), device="cpu", dtype="float32", max_model_len=64)
+    config = tiny_config(folder)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     output = generate_token_ids(PROMPTS[:1], config, sampling_params=params)
     assert output.results[0].prompt_logprobs is None
@@ -59,15 +60,7 @@ def test_requests_without_prompt_logprobs_get_none(tmp_path):
 
 def test_prompt_logprobs_survive_preemption_and_skip_the_prefix_cache(tmp_path):
     folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
-    config = EngineConfig(
-        model=str(folder),
-        device="cpu",
-        dtype="float32",
-        block_size=16,
-        max_model_len=64,
-        max_num_batched_tokens=16,
-        num_gpu_blocks_override=6,
-    )
+    config = tiny_config(folder, max_num_batched_tokens=16, num_gpu_blocks_override=6)
     prompts = [PROMPTS[0] * 2, PROMPTS[0] * 2, [50, 51, 52] * 6]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=0)
     output = generate_token_ids(prompts, config, sampling_params=params)
