@@ -185,6 +185,15 @@ def test_null_worker_reports_enough_blocks_for_every_sequence_at_full_length():
     assert worker.determine_num_available_blocks() == 3 * 7 + 1
 
 
+def test_a_null_model_context_beyond_its_block_cap_is_a_clear_start_up_error():
+    # It used to size a pool of 6e9 blocks and spend minutes building it.
+    from tests.engine_helpers import in_process_engine
+
+    config = EngineConfig(model="null", max_model_len=10**11)
+    with pytest.raises(ValueError, match=r"cannot hold one request of max_model_len=100000000000"):
+        in_process_engine(config)
+
+
 # ---- EngineCore ------------------------------------------------------------------------------
 
 

@@ -17,6 +17,9 @@ NULL_VOCAB_SIZE = 32000
 NULL_MAX_MODEL_LEN = 4096
 NULL_MAX_NUM_BATCHED_TOKENS = 2048
 NULL_ALTERNATIVE_LOGPROB = -30.0
+# The null model's KV cache costs no memory, but the core's block pool keeps one Python object
+# per block: past this many (16M tokens at block size 16) start-up would take minutes.
+NULL_MAX_NUM_BLOCKS = 1 << 20
 
 
 @dataclass(slots=True)
@@ -60,9 +63,10 @@ class NullWorker:
         """Nothing to load."""
 
     def determine_num_available_blocks(self) -> int:
-        """Enough blocks for every sequence at full length, plus the null block."""
+        """Enough blocks for every sequence at full length plus the null block, up to
+        NULL_MAX_NUM_BLOCKS (a max_model_len beyond that is the core's clear start-up error)."""
         num_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
-        return self.max_num_seqs * num_blocks_per_seq + 1
+        return min(self.max_num_seqs * num_blocks_per_seq + 1, NULL_MAX_NUM_BLOCKS)
 
     def initialize_cache(self, num_gpu_blocks: int) -> None:
         self.num_gpu_blocks = num_gpu_blocks
