@@ -92,8 +92,11 @@ class EngineCoreProc:
         self.engine_core: EngineCore | None = None
         self.vocab_size = 0  # known once the workers report; requests are read only after that
 
-    def run(self) -> int:
-        _install_signal_handlers()
+    def run(self, stop_on_sigint: bool = True) -> int:
+        """`stop_on_sigint=False` for a core launched by a frontend: a terminal's Ctrl-C reaches
+        the whole process group, and the frontend, which drains its requests first, decides when
+        its core stops (with SIGTERM)."""
+        _install_signal_handlers(stop_on_sigint)
         start = time.monotonic()
         try:
             ready = self._start_engine()
@@ -280,13 +283,13 @@ class EngineCoreProc:
         self.context.term()
 
 
-def _install_signal_handlers() -> None:
+def _install_signal_handlers(stop_on_sigint: bool) -> None:
     def handle(signum: int, frame: object) -> None:
         _ignore_signals()
         raise ShutdownRequested(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGINT, handle if stop_on_sigint else signal.SIG_IGN)
 
 
 def _ignore_signals() -> None:
