@@ -7,7 +7,11 @@ with LLM() as llm:  # the default SmolLM2-135M-Instruct
     print(llm.generate("Hello", SamplingParams(max_tokens=8))[0].outputs[0].text)
 """
 
-from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError
+from frontend.async_engine_client import (
+    AsyncEngineClient,
+    InvalidPromptError,
+    ServiceStoppedError,
+)
 from frontend.core_client import EngineDeadError
 from frontend.engine_client import EngineClient
 from frontend.llm import LLM
@@ -23,4 +27,5 @@ __all__ = [
     "InvalidPromptError",
     "RequestOutput",
     "SamplingParams",
+    "ServiceStoppedError",
 ]

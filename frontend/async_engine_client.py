@@ -40,6 +40,10 @@ class InvalidPromptError(ValueError):
         self.param = param
 
 
+class ServiceStoppedError(RuntimeError):
+    """`stop_serving(reason)` ended this request, or refused it; the message is the reason."""
+
+
 def load_engine_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer of `config.model`: the byte tokenizer for "null", else the model's own."""
     if config.is_null_model:
@@ -52,9 +56,10 @@ def load_engine_tokenizer(config: EngineConfig) -> Any:
 class AsyncEngineClient:
     """Serves requests on an engine core it starts (address None) or one already running.
 
-    Contract: `generate` validates synchronously (raising `ValueError`, or `EngineDeadError` when
-    the core is gone) and returns an async iterator; the request reaches the core when iteration
-    starts and is aborted in the core when the iterator is closed or dropped before it finishes.
+    Contract: `generate` validates synchronously (raising `ValueError`, `EngineDeadError` when
+    the core is gone, or `ServiceStoppedError` after `stop_serving`) and returns an async
+    iterator; the request reaches the core when iteration starts and is aborted in the core when
+    the iterator is closed or dropped before it finishes.
     With `stream=True` the iterator yields deltas (see `RequestOutput`); with `stream=False`
     exactly one final output. Must be used from one event loop, the one `start` ran on.
     """
@@ -76,6 +81,7 @@ class AsyncEngineClient:
         self._core = AsyncCoreClient(config, address, launch_core=address is None)
         self._request_id_to_processor: dict[str, OutputProcessor] = {}
         self._background_tasks: set[asyncio.Task] = set()
+        self._stopped_reason: str | None = None  # set by stop_serving
 
     async def start(self) -> None:
         """Starts (or connects to) the engine core and waits until it is ready."""
@@ -95,6 +101,15 @@ class AsyncEngineClient:
     @property
     def is_dead(self) -> bool:
         return self._core.is_dead
+
+    @property
+    def num_running_requests(self) -> int:
+        """Requests submitted whose iterators have not finished yet."""
+        return len(self._request_id_to_processor)
+
+    async def wait_until_dead(self) -> str:
+        """Returns why the engine core died, once it has (at once if it already is dead)."""
+        return await self._core.wait_until_dead()
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, or a checked copy of a token id prompt."""
@@ -197,7 +212,7 @@ class AsyncEngineClient:
         `prompt_token_ids`: a text prompt's tokens when the caller already has them (from
         `tokenize_in_thread`), so they are not computed again here, on the event loop.
         """
-        self._raise_if_dead()
+        self._raise_if_not_serving()
         params = sampling_params if sampling_params is not None else SamplingParams()
         if params.bad_words and not params.bad_words_token_ids:
             token_ids = self.bad_words_token_ids(params.bad_words)
@@ -233,6 +248,17 @@ class AsyncEngineClient:
             # The core client finishes each aborted core request's queue with an ABORT output.
             await self._core.abort(processor.unfinished_core_request_ids)
 
+    async def stop_serving(self, reason: str) -> None:
+        """Ends every running request with `ServiceStoppedError(reason)` (freeing their KV
+        blocks in the core) and refuses new ones the same way; the engine itself runs on."""
+        self._stopped_reason = reason
+        core_request_ids = [
+            core_request_id
+            for processor in self._request_id_to_processor.values()
+            for core_request_id in processor.unfinished_core_request_ids
+        ]
+        await self._core.abort(core_request_ids, ServiceStoppedError(reason))
+
     async def check_health(self) -> None:
         """Raises `EngineDeadError` if the engine core is gone."""
         self._raise_if_dead()
@@ -260,6 +286,12 @@ class AsyncEngineClient:
         if self._core.is_dead:
             raise EngineDeadError(self._core.dead_reason or "the engine core is dead")
 
+    def _raise_if_not_serving(self) -> None:
+        """EngineDeadError, or ServiceStoppedError after `stop_serving`."""
+        self._raise_if_dead()
+        if self._stopped_reason is not None:
+            raise ServiceStoppedError(self._stopped_reason)
+
     async def _run(
         self, processor: OutputProcessor, priority: int, stream: bool
     ) -> AsyncIterator[RequestOutput]:
@@ -271,7 +303,7 @@ class AsyncEngineClient:
         self._raise_if_running(request_id)
         self._request_id_to_processor[request_id] = processor
         try:
-            self._raise_if_dead()
+            self._raise_if_not_serving()
             core_queues = [self._core.add_request(request) for request in core_requests]
             queue = core_queues[0] if len(core_queues) == 1 else asyncio.Queue()
             if len(core_queues) > 1:

@@ -97,6 +97,7 @@ class AsyncCoreClient:
         self._call_ids = itertools.count()
         self._encoder = MessageEncoder()
         self._is_shut_down = False
+        self._died = asyncio.Event()
 
     @property
     def is_dead(self) -> bool:
@@ -216,17 +217,25 @@ class AsyncCoreClient:
             raise
         return output_queue
 
-    async def abort(self, request_ids: list[str]) -> None:
-        """Finishes the requests' queues with ABORT now and tells the core to free them.
+    async def abort(self, request_ids: list[str], error: Exception | None = None) -> None:
+        """Finishes the requests' queues now, with ABORT (or `error`, raised to their readers),
+        and tells the core to free them.
 
         Unknown or finished ids are ignored; a no-op once the engine is dead.
         """
         for request_id in request_ids:
             output_queue = self._request_id_to_queue.pop(request_id, None)
             if output_queue is not None:
-                output_queue.put_nowait(EngineCoreOutput(request_id, [], FinishReason.ABORT))
+                ending = error or EngineCoreOutput(request_id, [], FinishReason.ABORT)
+                output_queue.put_nowait(ending)
         if self.ready is not None and not self.is_dead and request_ids:
             await self._send(AbortRequests(list(request_ids)))
+
+    async def wait_until_dead(self) -> str:
+        """Returns the reason once the engine is dead (at once if it already is)."""
+        await self._died.wait()
+        assert self.dead_reason is not None
+        return self.dead_reason
 
     async def get_stats(self) -> SchedulerStats:
         response = await self._call_utility("get_stats")
@@ -336,6 +345,11 @@ class AsyncCoreClient:
             logging.INFO if self._is_shut_down else logging.ERROR, "engine is dead: %s", reason
         )
         self.dead_reason = reason
+        self._died.set()
+        if self._process is not None and not self._is_shut_down:
+            # A core that reported its death exits on its own: reap it (no zombie), killing it
+            # if it outlives its shutdown bound.
+            self._tasks.append(asyncio.get_running_loop().create_task(self._stop_core_process()))
         for output_queue in self._request_id_to_queue.values():
             output_queue.put_nowait(EngineDeadError(reason))
         self._request_id_to_queue.clear()

@@ -7,11 +7,20 @@ are runs of "*".
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
 
-from frontend import LLM, AsyncEngineClient, EngineClient, EngineDeadError, SamplingParams
+from frontend import (
+    LLM,
+    AsyncEngineClient,
+    EngineClient,
+    EngineDeadError,
+    SamplingParams,
+    ServiceStoppedError,
+)
 from frontend.null_tokenizer import NullTokenizer
 from proto.engine_config import EngineConfig
 
@@ -150,6 +159,44 @@ def test_async_engine_client_abort_and_dead_engine():
             engine.generate("after shutdown")
         with pytest.raises(EngineDeadError):
             await engine.check_health()
+
+    asyncio.run(scenario())
+
+
+def test_stop_serving_ends_running_requests_and_refuses_new_ones_but_the_engine_runs_on():
+    async def scenario() -> None:
+        async with AsyncEngineClient(EngineConfig(model="null", max_model_len=4096)) as engine:
+            streams = [engine.generate("hi", SamplingParams(max_tokens=4000, n=n)) for n in (1, 3)]
+            for stream in streams:
+                await stream.__anext__()
+            assert engine.num_running_requests == 2
+            await engine.stop_serving("maintenance")
+            for stream in streams:
+                with pytest.raises(ServiceStoppedError, match="maintenance"):
+                    async for _ in stream:
+                        pass
+            assert engine.num_running_requests == 0
+            with pytest.raises(ServiceStoppedError, match="maintenance"):
+                engine.generate("after")
+            # The core freed every block and still answers.
+            await engine.check_health()
+            stats = await engine.get_stats()
+            assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_wait_until_dead_returns_the_reason_once_the_core_dies():
+    async def scenario() -> None:
+        async with AsyncEngineClient(EngineConfig(model="null")) as engine:
+            waiter = asyncio.ensure_future(engine.wait_until_dead())
+            await asyncio.sleep(0.2)
+            assert not waiter.done()
+            os.kill(engine._core.core_pid, signal.SIGKILL)
+            reason = await asyncio.wait_for(waiter, 10)
+            assert "signal SIGKILL" in reason
+            with pytest.raises(EngineDeadError, match="SIGKILL"):
+                engine.generate("after")
 
     asyncio.run(scenario())
 
