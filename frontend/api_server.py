@@ -5,9 +5,11 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent even
 and /detokenize, GET /version, /health and /metrics (Prometheus text). Every error uses OpenAI's
 body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid parameters (a body that
 is not JSON included), 401 for a bad API key, 404 for an unknown model or route, 405 for a wrong
-method, 413 for a body over `--max-request-body-bytes`, 500 for a bug, 503 once the engine is
-dead.
+method, 413 for a body over `--max-request-body-bytes`, 500 for a bug or a request the engine
+failed (a worker died), 503 once the engine is dead or the server is shutting down. A stream that
+fails the same way ends with such an error event before `data: [DONE]`.
 A streaming client that disconnects has its requests aborted, which frees their KV blocks.
+How the app is run (port, signals, engine death) is `frontend.http_server`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import logging
 import math
 import re
 import secrets
-import socket
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
@@ -28,14 +29,18 @@ from importlib.metadata import version as distribution_version
 from typing import Any
 
 import msgspec
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError, Prompt
+from frontend.async_engine_client import (
+    AsyncEngineClient,
+    InvalidPromptError,
+    Prompt,
+    ServiceStoppedError,
+)
 from frontend.body_limit import BodySizeLimit
 from frontend.core_client import EngineDeadError
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -79,7 +84,6 @@ from proto.engine_config import EngineConfig
 logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
-GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 # Larger bodies get a 413 before they are read: a whole-context prompt as JSON token ids fits
 # many times over.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
@@ -119,30 +123,42 @@ class APIError(Exception):
         self.info = ErrorInfo(message=message, type=type_, param=param, code=code)
 
 
-def engine_dead_error(exc: EngineDeadError) -> APIError:
+EngineUnavailable = EngineDeadError | ServiceStoppedError
+
+
+def unavailable_error(exc: EngineUnavailable) -> APIError:
+    """503: the engine is dead, or the server has stopped serving (shutting down)."""
+    if isinstance(exc, ServiceStoppedError):
+        return APIError(503, str(exc), "service_unavailable", code="shutting_down")
     return APIError(503, f"the engine is dead: {exc}", "service_unavailable", code="engine_dead")
 
 
 def build_app(
     engine_config: EngineConfig, settings: ServerSettings, address: str | None = None
 ) -> FastAPI:
-    """The app; its lifespan starts the engine (or connects to `address`) and shuts it down."""
+    """The app; its lifespan starts the engine (or connects to `address`) and shuts it down.
+
+    `app.state.engine` is the `AsyncEngineClient` once it is ready. Setting the event
+    `app.state.stop_requested` during start-up abandons it (the core is stopped, and
+    `app.state.engine` stays None) instead of waiting for the model to load.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = AsyncEngineClient(engine_config, address, model_name=settings.served_model_name)
         try:
-            await engine.start()
+            started = await _start_unless_stopped(engine, app.state.stop_requested)
         except BaseException:
             await engine.shutdown()
             raise
-        app.state.engine = engine
-        logger.info(
-            "serving %s (max_model_len=%d)", settings.served_model_name, engine.max_model_len
-        )
         stats_task = None
-        if settings.log_stats_interval_s is not None:
-            stats_task = asyncio.create_task(_log_stats(engine, settings.log_stats_interval_s))
+        if started:
+            app.state.engine = engine
+            logger.info(
+                "serving %s (max_model_len=%d)", settings.served_model_name, engine.max_model_len
+            )
+            if settings.log_stats_interval_s is not None:
+                stats_task = asyncio.create_task(_log_stats(engine, settings.log_stats_interval_s))
         try:
             yield
         finally:
@@ -153,49 +169,30 @@ def build_app(
     app = FastAPI(title="core-engine OpenAI-compatible server", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_request_body_bytes)
     app.state.settings = settings
+    app.state.engine = None
+    app.state.stop_requested = asyncio.Event()
     _add_error_handlers(app)
     _add_routes(app, settings)
     return app
 
 
-def serve(
-    engine_config: EngineConfig,
-    settings: ServerSettings,
-    host: str = "0.0.0.0",
-    port: int = 8000,
-    address: str | None = None,
-) -> None:
-    """Runs the server until SIGINT/SIGTERM, then drains for a few seconds and stops the engine.
-
-    The port is bound before anything else (uvicorn would bind it only after the engine has
-    loaded its model): a busy port is a PortInUseError at once, naming it.
-    """
-    sock = bind_port(host, port)
-    app = build_app(engine_config, settings, address)
-    config = uvicorn.Config(
-        app, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S
-    )
-    uvicorn.Server(config).run(sockets=[sock])
-
-
-class PortInUseError(OSError):
-    """The HTTP port cannot be bound."""
-
-
-def bind_port(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (IPv6 when `host` is an IPv6 address)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+async def _start_unless_stopped(engine: AsyncEngineClient, stop_requested: asyncio.Event) -> bool:
+    """Starts the engine; False (start-up cancelled, the core stopped) if `stop_requested` is
+    set first. Start-up failures raise."""
+    start = asyncio.ensure_future(engine.start())
+    stop = asyncio.ensure_future(stop_requested.wait())
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise PortInUseError(
-            exc.errno, f"cannot listen on {host}:{port}: {exc.strerror} (is another server there?)"
-        ) from None
-    sock.listen(2048)
-    return sock
+        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not start.done():
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+    if start.cancelled():
+        return False
+    start.result()
+    return True
 
 
 async def _log_stats(engine: AsyncEngineClient, interval_s: float) -> None:
@@ -204,8 +201,7 @@ async def _log_stats(engine: AsyncEngineClient, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         try:
             stats = await engine.get_stats()
-        except EngineDeadError as exc:
-            logger.error("engine core is dead: %s", exc)
+        except EngineDeadError:  # the core client has logged why
             return
         logger.info(engine.metrics.log_line(stats, time.monotonic()))
 
@@ -216,8 +212,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_json(exc)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_json(engine_dead_error(exc))
+    @app.exception_handler(ServiceStoppedError)
+    async def engine_unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
+        return _error_json(unavailable_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -433,11 +430,13 @@ async def _completion_events(
             if output.finished:
                 finals[prompt_index] = output
             yield _sse(CompletionResponse(id=request_id, model=model_name, choices=choices))
+            if (error := _request_failed_error(output)) is not None:
+                yield _sse_error(error)
         if body.include_usage_in_stream:
             usage = _usage(list(finals.values()))
             yield _sse(CompletionResponse(id=request_id, model=model_name, choices=[], usage=usage))
-    except EngineDeadError as exc:
-        yield _sse_error(exc)
+    except (EngineDeadError, ServiceStoppedError) as exc:
+        yield _sse_error(unavailable_error(exc))
     yield SSE_DONE
 
 
@@ -574,10 +573,12 @@ async def _chat_events(
             final = output
             if choices:
                 yield chunk(choices)
+            if (error := _request_failed_error(output)) is not None:
+                yield _sse_error(error)
         if body.include_usage_in_stream and final is not None:
             yield chunk([], _usage([final]))
-    except EngineDeadError as exc:
-        yield _sse_error(exc)
+    except (EngineDeadError, ServiceStoppedError) as exc:
+        yield _sse_error(unavailable_error(exc))
     yield SSE_DONE
 
 
@@ -635,8 +636,8 @@ def _submit(
         return engine.generate(
             prompt, params, request_id, stream=stream, prompt_token_ids=prompt_token_ids
         )
-    except EngineDeadError as exc:
-        raise engine_dead_error(exc) from exc
+    except (EngineDeadError, ServiceStoppedError) as exc:
+        raise unavailable_error(exc) from exc
     except InvalidPromptError as exc:
         param = prompt_param if exc.param == "prompt" else exc.param
         raise APIError(400, str(exc), param=param) from exc
@@ -686,8 +687,8 @@ async def _final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Re
         finals[index] = output
     for final in finals:
         assert final is not None and final.finished
-        if final.error is not None:
-            raise APIError(500, final.error, "internal_error")
+        if (error := _request_failed_error(final)) is not None:
+            raise error
     return finals  # type: ignore[return-value]
 
 
@@ -787,8 +788,15 @@ def _sse(response: BaseModel) -> str:
     return f"data: {response.model_dump_json()}\n\n"
 
 
-def _sse_error(exc: EngineDeadError) -> str:
-    return _sse(ErrorResponse(error=engine_dead_error(exc).info))
+def _sse_error(error: APIError) -> str:
+    return _sse(ErrorResponse(error=error.info))
+
+
+def _request_failed_error(output: RequestOutput) -> APIError | None:
+    """The error of a finished request the engine failed (a worker died, ...), else None."""
+    if not output.finished or output.error is None:
+        return None
+    return APIError(500, output.error, "internal_error", code="request_failed")
 
 
 def package_version() -> str:

@@ -13,12 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from frontend.api_server import (
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    PortInUseError,
-    ServerSettings,
-    serve,
-)
+from frontend.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from frontend.http_server import PortInUseError, serve
 from frontend.tool_calls import TOOL_CALL_PARSERS
 from proto.engine_config import EngineConfig
 
@@ -68,6 +64,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="larger request bodies are answered 413 before they are read",
     )
     parser.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="when the engine dies, stay up answering 503 instead of exiting with code 1 (the "
+        "default, so that a supervisor restarts the server)",
+    )
+    parser.add_argument(
         "--disable-log-stats",
         action="store_true",
         help=f"do not log throughput and cache stats every {LOG_STATS_INTERVAL_S:.0f} s",
@@ -111,10 +113,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         stream=sys.stderr,
     )
     try:
-        serve(engine_config, settings, args.host, args.port, args.frontend_address)
+        exit_code = serve(
+            engine_config,
+            settings,
+            args.host,
+            args.port,
+            args.frontend_address,
+            keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+        )
     except PortInUseError as exc:
         logging.getLogger("core-serve").error("%s", exc.strerror)
         sys.exit(1)
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":

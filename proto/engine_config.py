@@ -168,7 +168,8 @@ FIELD_HELP = {
     "seed": "engine seed",
     "startup_timeout_s": "seconds to wait for workers to load and profile",
     "step_timeout_s": "seconds to wait for one step's result",
-    "shutdown_timeout_s": "seconds to wait for a clean shutdown before killing",
+    "shutdown_timeout_s": "seconds a stop waits: for running requests to finish (core-serve), "
+    "and for each process to exit cleanly before it is killed",
     "max_frame_bytes": "largest accepted request frame",
     "enforce_eager": (
         "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"

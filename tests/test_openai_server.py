@@ -3,120 +3,32 @@
 Most tests share one server on the null model (token 42, "*" in the byte tokenizer, every
 step). Tests that kill or stop a server start their own; one compares the default SmolLM2
 model's greedy output over HTTP with the in-process engine (core.in_process_engine).
+The server's process life cycle (signals, engine death, ports, attaching) is
+test_server_lifecycle.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from common.ports import find_free_port
 from frontend.null_tokenizer import NullTokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
+from tests.server_process import ServerProcess, wait_until
 
 API_KEY = "test-key"
 MODEL_NAME = "null-model"
 NULL_MAX_MODEL_LEN = 65536
-STARTUP_TIMEOUT_S = 120.0
 TOKENIZER = NullTokenizer()
 MAX_BODY_BYTES = 1_000_000
 SMALL_KV_CACHE_NUM_BLOCKS = 64  # instead of a multi-GiB CPU KV cache per engine
-
-
-class ServerProcess:
-    """A `python -m frontend.cli` child on a free port, its output in `log_path`."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.port = find_free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "--host", "127.0.0.1", "--port", str(self.port)]
-            + args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"core-serve exited early:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"core-serve not ready in {timeout_s} s:\n{self.log_tail()}")
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def stop(self) -> int:
-        """SIGTERM, then SIGKILL if it outlives 30 s; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        return self.process.returncode
-
-
-def descendant_pids(pid: int) -> set[int]:
-    """Every live process below `pid`, from /proc parent links."""
-    children: dict[int, list[int]] = {}
-    for stat_path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            stat = stat_path.read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(stat_path.parent.name))
-    found: set[int] = set()
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.add(child)
-            stack.append(child)
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def metric(base_url: str, name: str) -> float:
@@ -545,64 +457,6 @@ def test_models_health_and_metrics(server, client):
     assert "# TYPE core:time_to_first_token_seconds histogram" in text
 
 
-def test_health_answers_503_after_the_core_is_killed(tmp_path):
-    args = ["--model", "null", "--disable-log-stats", "--max-model-len", str(NULL_MAX_MODEL_LEN)]
-    server = ServerProcess([*args, "--num-gpu-blocks-override", "8192"], tmp_path / "log")
-    try:
-        server.wait_ready()
-        core_pids = {
-            pid
-            for pid in descendant_pids(server.process.pid)
-            if b"core" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        }
-        assert len(core_pids) == 1, server.log_tail()
-        body = {"prompt": "x", "max_tokens": 60000, "stream": True}
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as stream:
-            lines = stream.iter_lines()
-            assert next(lines).startswith("data: {")
-            os.kill(core_pids.pop(), signal.SIGKILL)
-            rest = [line for line in lines if line]
-        # The stream in flight ends with an error event, then [DONE].
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "engine_dead"
-        assert wait_until(
-            lambda: httpx.get(f"{server.base_url}/health").status_code == 503, 10.0
-        ), server.log_tail()
-        error = httpx.get(f"{server.base_url}/health").json()["error"]
-        assert error["code"] == "engine_dead"
-        assert "SIGKILL" in error["message"]
-        response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"})
-        assert response.status_code == 503
-    finally:
-        server.stop()
-
-
-def test_sigterm_exits_cleanly_without_leftovers(tmp_path):
-    # A short TMPDIR of our own: ipc socket paths must stay under 107 characters.
-    with tempfile.TemporaryDirectory(prefix="serve-", dir="/tmp") as ipc_parent_name:
-        ipc_parent = Path(ipc_parent_name)
-        server = ServerProcess(
-            ["--model", "null", "--disable-log-stats"],
-            tmp_path / "log",
-            env={"TMPDIR": str(ipc_parent)},
-        )
-        try:
-            server.wait_ready()
-            response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"})
-            assert response.status_code == 200
-            children = descendant_pids(server.process.pid)
-            assert len(children) >= 2, "expected the engine core and its worker"
-            assert len(list(ipc_parent.iterdir())) == 1, "expected the private ipc directory"
-        finally:
-            exit_code = server.stop()
-        # uvicorn finishes its graceful shutdown, then re-raises the signal it caught.
-        assert exit_code == -signal.SIGTERM, server.log_tail()
-        assert "Application shutdown complete" in server.log_tail()
-        assert wait_until(lambda: not any(is_alive(pid) for pid in children), 10.0)
-        assert list(ipc_parent.iterdir()) == []
-    assert "Traceback" not in server.log_tail(100_000)
-
-
 @pytest.mark.slow
 def test_greedy_output_equals_the_in_process_engine(tmp_path):
     from tests.engine_helpers import generate
@@ -862,62 +716,6 @@ def test_fuzzed_requests_never_answer_500_and_leave_the_server_alive(server):
     check()
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert "Traceback" not in server.log_tail(200_000)
-
-
-def test_a_busy_port_fails_at_once_naming_it_before_any_engine_starts(tmp_path):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "frontend.cli", "--host", "127.0.0.1", "--port", str(port)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert result.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
-    # The default model was never loaded: no engine core was started.
-    assert "engine core" not in result.stderr and "Traceback" not in result.stderr
-
-
-def test_core_serve_attaches_to_a_separately_started_core_and_starts_none(tmp_path):
-    """`core-serve --frontend-address ADDR` waits for `python -m core --frontend-address ADDR`:
-    that core's one worker serves the requests, and core-serve starts no engine of its own."""
-    address = f"ipc://{tmp_path}/engine"
-    core = subprocess.Popen(
-        [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
-    )
-    server = ServerProcess(
-        ["--model", "null", "--frontend-address", address, "--disable-log-stats"],
-        tmp_path / "log",
-    )
-    try:
-        server.wait_ready()
-        assert descendant_pids(server.process.pid) == set()  # no core of its own
-        workers = descendant_pids(core.pid)
-        assert len(workers) == 1
-        response = httpx.post(
-            f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}
-        )
-        assert response.status_code == 200
-        assert response.json()["usage"]["completion_tokens"] == 3
-        assert descendant_pids(core.pid) == workers
-    finally:
-        server.stop()
-        core.terminate()
-        core.wait(30)
-
-
-def test_attaching_to_an_address_where_no_core_answers_fails_in_time(tmp_path):
-    from frontend import EngineClient
-
-    config = EngineConfig(model="null", startup_timeout_s=2.0)
-    start = time.monotonic()
-    # Bounded by the core's own start-up budget: twice startup_timeout_s plus shutdown_timeout_s.
-    with pytest.raises(TimeoutError, match="engine core at ipc://.*/nobody was not ready within"):
-        EngineClient(config, f"ipc://{tmp_path}/nobody")
-    assert time.monotonic() - start < 2 * 2.0 + config.shutdown_timeout_s + 5
 
 
 @pytest.mark.slow
