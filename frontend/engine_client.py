@@ -67,8 +67,15 @@ class EngineClient:
         return self.engine.max_model_len
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Runs a coroutine on the engine's loop and returns (or raises) its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        """Runs a coroutine on the engine's loop and returns (or raises) its result. Interrupted
+        (Ctrl-C's KeyboardInterrupt), it cancels the coroutine, which aborts its requests: the
+        engine does not go on computing what nobody waits for, and stays usable."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
     def generate(
         self,

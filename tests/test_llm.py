@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -199,6 +200,29 @@ def test_wait_until_dead_returns_the_reason_once_the_core_dies():
                 engine.generate("after")
 
     asyncio.run(scenario())
+
+
+def test_ctrl_c_in_generate_aborts_its_requests_and_the_llm_stays_usable():
+    # The engine core ignores the terminal's SIGINT (its frontend decides when it stops), so
+    # the interrupted requests must be aborted by the client.
+    config = dict(model="null", max_model_len=65536, num_gpu_blocks_override=8192)
+    with LLM(**config) as llm:
+        # A real SIGINT, as a terminal sends (it interrupts the main thread's wait, which
+        # _thread.interrupt_main does not).
+        interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(["x"] * 2, SamplingParams(max_tokens=60000), use_tqdm=False)
+        finally:
+            interrupt.cancel()
+        client = llm._client
+        deadline = time.monotonic() + 10
+        while client.get_stats().num_running_reqs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get_stats().num_running_reqs == 0
+        (output,) = llm.generate("again", SamplingParams(max_tokens=3), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 3
 
 
 def test_a_missing_model_fails_fast_naming_the_path(tmp_path):
