@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 # The prefix of the 0700 directory a frontend makes for its own ipc sockets (mkdtemp).
 PRIVATE_IPC_DIR_PREFIX = "core-engine-"
+# A unix socket path fits in sockaddr_un.sun_path: 108 bytes with the terminating NUL.
+MAX_IPC_PATH_BYTES = 107
 
 
 class FrontendEndpoints(NamedTuple):
@@ -24,10 +26,19 @@ class FrontendEndpoints(NamedTuple):
 def frontend_endpoints(address: str) -> FrontendEndpoints:
     """`tcp://HOST:PORT` -> PORT and PORT+1; `ipc://PATH` -> `PATH-requests`, `PATH-outputs`.
 
-    Raises ValueError for any other scheme or a TCP address without an explicit port.
+    Raises ValueError for any other scheme, a TCP address without an explicit port, or an ipc
+    path too long for a unix socket.
     """
     if address.startswith("ipc://"):
-        return FrontendEndpoints(f"{address}-requests", f"{address}-outputs")
+        endpoints = FrontendEndpoints(f"{address}-requests", f"{address}-outputs")
+        longest = max(len(e.removeprefix("ipc://").encode()) for e in endpoints)
+        if longest > MAX_IPC_PATH_BYTES:
+            raise ValueError(
+                f"ipc path {address!r} is too long: its socket {endpoints.requests!r} is "
+                f"{longest} bytes, and a unix socket path holds at most {MAX_IPC_PATH_BYTES} "
+                "(use a shorter folder, or a short TMPDIR for the private one)"
+            )
+        return endpoints
     if address.startswith("tcp://"):
         host, sep, port_text = address[len("tcp://") :].rpartition(":")
         if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65535:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import zmq
 
 from core.engine_core import EngineCore, make_request
 from core.request import Request
@@ -128,6 +129,23 @@ def test_frontend_endpoints_derive_two_sockets_from_one_address():
     for bad in ("http://localhost:1", "tcp://localhost", "tcp://:80", "tcp://h:65535"):
         with pytest.raises(ValueError, match="address"):
             frontend_endpoints(bad)
+
+
+def test_an_ipc_path_too_long_for_a_unix_socket_is_refused_naming_the_limit(tmp_path):
+    folder = "/tmp/" + "d" * 85  # 90 bytes + "/e-requests" = 101: fits
+    assert frontend_endpoints(f"ipc://{folder}/e").requests == f"ipc://{folder}/e-requests"
+    too_long = f"ipc://{folder}/engine-x"  # 90 + 18 = 108 bytes
+    with pytest.raises(ValueError, match=r"is 108 bytes, and a unix socket path holds at most 107"):
+        frontend_endpoints(too_long)
+    # What the limit protects: zmq cannot bind the longer path.
+    context = zmq.Context()
+    try:
+        with pytest.raises(zmq.ZMQError), context.socket(zmq.PULL) as sock:
+            path = tmp_path / ("s" * (108 - len(str(tmp_path)) - 1))
+            assert len(str(path)) == 108
+            sock.bind(f"ipc://{path}")
+    finally:
+        context.term()
 
 
 def _touch_frontend_sockets(folder) -> str:
