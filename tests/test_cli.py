@@ -201,3 +201,51 @@ def test_the_api_key_may_come_from_the_environment_and_the_flag_wins(monkeypatch
     assert parse_args(["--api-key", "from-flag"])[1].api_key == "from-flag"
     monkeypatch.setenv("CORE_ENGINE_API_KEY", "")
     assert parse_args([])[1].api_key is None
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Variables of other programs that the engine reads, listed in the README with its own.
+STANDARD_ENVIRONMENT_VARIABLES = (
+    "CC",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "TMPDIR",
+    "XDG_CACHE_HOME",
+)
+
+
+def _readme_section(title: str) -> str:
+    readme = (REPO_ROOT / "README.md").read_text()
+    start = readme.index(f"\n## {title}\n")
+    end = readme.find("\n## ", start + 1)
+    return readme[start:end]
+
+
+def test_the_readme_flag_table_lists_every_core_serve_flag():
+    from frontend.cli import make_parser
+
+    table = _readme_section("`core-serve` flags")
+    flags = [
+        option
+        for action in make_parser()._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    ]
+    assert len(flags) > 25
+    missing = [flag for flag in flags if f"`{flag}`" not in table]
+    assert missing == [], f"README's `core-serve` flags table lacks {missing}"
+
+
+def test_the_readme_lists_every_environment_variable_the_engine_reads():
+    table = _readme_section("Environment variables")
+    ours = set()
+    for package in ("common", "core", "frontend", "kernels", "proto", "worker"):
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            ours.update(re.findall(r"\bCORE_ENGINE_[A-Z_]+\b", path.read_text()))
+    assert "CORE_ENGINE_KV_CACHE_MEMORY_BYTES" in ours  # the scan finds them
+    missing = [
+        name
+        for name in sorted(ours) + list(STANDARD_ENVIRONMENT_VARIABLES)
+        if f"`{name}`" not in table
+    ]
+    assert missing == [], f"README's environment variable table lacks {missing}"
