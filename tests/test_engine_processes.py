@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import msgspec
 import pytest
 import zmq
 
+from common.ports import find_free_port_pair
 from core.executor import Executor
 from frontend.core_client import AsyncCoreClient, EngineDeadError
 from proto import (
@@ -429,20 +429,9 @@ def test_a_core_that_cannot_start_fails_start_and_leaves_nothing():
     asyncio.run(scenario())
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second, contextlib.suppress(OSError):
-                second.bind(("127.0.0.1", port + 1))
-                return port
-    raise AssertionError("no two consecutive free ports")
-
-
 def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed(tmp_path):
     async def scenario():
-        address = f"tcp://127.0.0.1:{_free_port_pair()}"
+        address = f"tcp://127.0.0.1:{find_free_port_pair()}"
         argv = [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
         argv += ["--max-num-seqs", "4", "--max-model-len", "100000"]
         # Anything the core writes to TMPDIR would stay there after its kill -9.

@@ -8,6 +8,7 @@ started separately. Every stop leaves no process and no file behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -24,8 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.ports import find_free_port_pair
 from proto.engine_config import EngineConfig
 from tests.server_process import ServerProcess, descendant_pids, is_alive, wait_until
+from worker.null_worker import NULL_TOKEN_ID
 
 NULL_MAX_MODEL_LEN = 65536
 # The null model streams a few thousand tokens a second here: this outlasts every wait below.
@@ -305,6 +308,49 @@ def test_core_serve_attaches_to_a_separately_started_core_and_starts_none(tmp_pa
         assert descendant_pids(core.pid) == workers
     finally:
         server.stop()
+        core.terminate()
+        core.wait(30)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_engine_clients_attach_to_a_separately_started_core_and_start_none(transport, tmp_path):
+    """EngineClient over tcp, AsyncEngineClient over ipc: the separately started core's one
+    worker serves, and this process gains no engine process of its own."""
+    from frontend import AsyncEngineClient, EngineClient, SamplingParams
+
+    if transport == "tcp":
+        address = f"tcp://127.0.0.1:{find_free_port_pair()}"
+    else:
+        address = f"ipc://{tmp_path}/engine"
+    children_before = descendant_pids(os.getpid())
+    core = subprocess.Popen(
+        [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
+    )
+    # The client's own config differs: the attached core's settings are the ones that count.
+    config = EngineConfig(model="null", max_model_len=64)
+    params = SamplingParams(max_tokens=3)
+    try:
+        if transport == "tcp":
+            with EngineClient(config, address) as client:
+                (final,) = client.generate("hi", params, stream=False)
+                max_model_len = client.max_model_len
+                engine_pids = descendant_pids(os.getpid()) - children_before
+        else:
+
+            async def run_async() -> tuple:
+                async with AsyncEngineClient(config, address) as client:
+                    outputs = [o async for o in client.generate("hi", params, stream=False)]
+                    return outputs[0], client.max_model_len, descendant_pids(os.getpid())
+
+            final, max_model_len, pids = asyncio.run(run_async())
+            engine_pids = pids - children_before
+        workers = descendant_pids(core.pid)
+        assert len(workers) == 1
+        assert engine_pids == {core.pid} | workers  # nothing but the separate core's tree
+        assert final.outputs[0].token_ids == [NULL_TOKEN_ID] * 3
+        assert max_model_len != 64  # the core's own default, not the client's config
+        assert core.poll() is None  # the client leaves the core it attached to running
+    finally:
         core.terminate()
         core.wait(30)
 
