@@ -22,11 +22,11 @@ import math
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as distribution_version
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
@@ -82,6 +82,7 @@ from proto import SamplingParams
 from proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 # Larger bodies get a 413 before they are read: a whole-context prompt as JSON token ids fits
@@ -179,20 +180,28 @@ def build_app(
 async def _start_unless_stopped(engine: AsyncEngineClient, stop_requested: asyncio.Event) -> bool:
     """Starts the engine; False (start-up cancelled, the core stopped) if `stop_requested` is
     set first. Start-up failures raise."""
-    start = asyncio.ensure_future(engine.start())
-    stop = asyncio.ensure_future(stop_requested.wait())
-    try:
-        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-        if not start.done():
-            start.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await start
+    start = await _run_until(engine.start(), stop_requested.wait())
     if start.cancelled():
         return False
     start.result()
     return True
+
+
+async def _run_until(work: Awaitable[T], trigger: Awaitable[object]) -> asyncio.Future[T]:
+    """Runs `work` until it ends or `trigger` does; in the second case cancels `work` and waits
+    for its cancellation to run (a cancelled task is done only then). Returns `work`'s future,
+    done: with its result or exception, or cancelled."""
+    work_future = asyncio.ensure_future(work)
+    trigger_future = asyncio.ensure_future(trigger)
+    try:
+        await asyncio.wait({work_future, trigger_future}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        trigger_future.cancel()
+        if not work_future.done():
+            work_future.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work_future
+    return work_future
 
 
 async def _log_stats(engine: AsyncEngineClient, interval_s: float) -> None:
@@ -325,17 +334,7 @@ async def _until_disconnected(
 
     Streaming responses return at once; their disconnects cancel the event stream instead.
     """
-    work = asyncio.ensure_future(handler)
-    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not work.done():
-            work.cancel()
-            # A cancelled task is done only once it has run its cancellation: wait for that.
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
+    work = await _run_until(handler, _wait_for_disconnect(request))
     if work.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return work.result()
