@@ -211,7 +211,8 @@ def test_ctrl_c_drains_running_streams_then_ends_the_rest_and_exits_0(tmp_path, 
     assert drain_s <= stopped_s < drain_s + 15
     log = server.log_tail(200_000)
     assert "SIGINT received" in log and "2 running requests" in log
-    assert "ERROR" not in log and "Traceback" not in log and "engine core died" not in log
+    # INFO only: no process had to be killed, nothing failed.
+    assert "WARNING" not in log and "ERROR" not in log and "Traceback" not in log
     assert_nothing_left(pids, ipc_parent)
 
 
