@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from core.kv_cache_utils import (
+    BlockHash,
+    BlockHashWithGroupId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+)
 
 if TYPE_CHECKING:
     from core.request import Request
@@ -16,22 +22,22 @@ class BlockPoolIntegrityError(RuntimeError):
 
 
 class BlockHashToBlockMap:
-    """Block hash -> cached blocks. One hash may map to several blocks (two requests that
-    computed the same content at the same time each hold their own copy)."""
+    """Block hash (with group id) -> cached blocks. One hash may map to several blocks (two
+    requests that computed the same content at the same time each hold their own copy)."""
 
     def __init__(self) -> None:
-        self._cache: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self._cache: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
 
-    def get_one_block(self, key: BlockHash) -> KVCacheBlock | None:
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
         blocks = self._cache.get(key)
         if not blocks:
             return None
         return next(iter(blocks.values()))
 
-    def insert(self, key: BlockHash, block: KVCacheBlock) -> None:
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         self._cache.setdefault(key, {})[block.block_id] = block
 
-    def pop(self, key: BlockHash, block_id: int) -> KVCacheBlock | None:
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         blocks = self._cache.get(key)
         if blocks is None:
             return None
@@ -40,10 +46,10 @@ class BlockHashToBlockMap:
             del self._cache[key]
         return block
 
-    def contains(self, key: BlockHash, block: KVCacheBlock) -> bool:
+    def contains(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> bool:
         return self._cache.get(key, {}).get(block.block_id) is block
 
-    def items(self) -> Iterable[tuple[BlockHash, dict[int, KVCacheBlock]]]:
+    def items(self) -> Iterable[tuple[BlockHashWithGroupId, dict[int, KVCacheBlock]]]:
         return self._cache.items()
 
     def clear(self) -> None:
@@ -54,11 +60,12 @@ class BlockHashToBlockMap:
 
 
 class BlockPool:
-    """Owns every `KVCacheBlock` of one KV cache.
+    """Owns every `KVCacheBlock` of one KV cache, shared by all KV cache groups.
 
-    Block 0 is the null block: a placeholder that is never handed out, freed or hashed.
+    Block 0 is the null block: a placeholder (e.g. for blocks that fell out of a sliding
+    window) that is never handed out, freed, hashed or reference-counted.
     A freed block keeps its hash (its KV stays valid) until it is reused, so a later request
-    can hit it; reuse evicts the stale hash first.
+    can hit it; reuse evicts the stale hash first. Hashes are keyed per KV cache group.
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
@@ -74,8 +81,11 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get_one_block(block_hash)
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_id: int = 0
+    ) -> KVCacheBlock | None:
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        return self.cached_block_hash_to_block.get_one_block(key)
 
     def cache_full_blocks(
         self,
@@ -84,8 +94,10 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
+        kv_cache_group_id: int = 0,
     ) -> None:
-        """Registers `blocks[num_cached_blocks:num_full_blocks]` under the request's hashes.
+        """Registers `blocks[num_cached_blocks:num_full_blocks]` under the request's hashes
+        for group `kv_cache_group_id` (null blocks are skipped).
 
         The request's `block_hashes` must already cover `num_full_blocks` blocks.
         """
@@ -100,9 +112,9 @@ class BlockPool:
             block = blocks[index]
             if block.is_null or block.block_hash is not None:
                 continue
-            block_hash = request.block_hashes[index]
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block.insert(block_hash, block)
+            key = make_block_hash_with_group_id(request.block_hashes[index], kv_cache_group_id)
+            block.block_hash = key
+            self.cached_block_hash_to_block.insert(key, block)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pops `num_blocks` from the head of the free queue with ref_cnt 1 each.
@@ -131,7 +143,9 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on prefix-hit blocks; a free one leaves the free queue."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
@@ -141,8 +155,10 @@ class BlockPool:
         blocks are evicted before its shared prefix)."""
         newly_free = []
         for block in ordered_blocks:
+            if block.is_null:
+                continue
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0:
                 newly_free.append(block)
         self.free_block_queue.append_n(newly_free)
 
@@ -175,6 +191,10 @@ class BlockPool:
             f"{self.free_block_queue.num_free_blocks}",
         )
         _require(self.null_block.block_id not in free_ids, "the null block is in the free queue")
+        _require(
+            self.null_block.ref_cnt == 0 and self.null_block.block_hash is None,
+            f"the null block is counted or hashed: {self.null_block!r}",
+        )
         for block in self.blocks:
             if block.is_null:
                 continue

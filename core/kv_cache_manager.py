@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from core.block_pool import BlockPool
+from core.kv_cache_coordinator import get_kv_cache_coordinator
+from core.kv_cache_spec import KVCacheConfig
 from core.kv_cache_utils import KVCacheBlock
 from core.request import Request
-from core.single_type_kv_cache_manager import FullAttentionManager
 
 
 @dataclass(slots=True)
 class KVCacheBlocks:
-    """The blocks an allocation or a prefix hit produced, in order."""
+    """The blocks an allocation or a prefix hit produced, per KV cache group (`blocks[g]`
+    for group g), in order. A null block stands for a block outside a sliding window."""
 
-    blocks: list[KVCacheBlock] = field(default_factory=list)
+    blocks: tuple[list[KVCacheBlock], ...]
 
-    def get_block_ids(self) -> list[int]:
-        return [block.block_id for block in self.blocks]
-
-    def __len__(self) -> int:
-        return len(self.blocks)
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([block.block_id for block in group] for group in self.blocks)
 
 
 @dataclass(slots=True)
@@ -32,7 +30,11 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Allocates KV slots to requests from one `BlockPool`, reusing cached prefixes."""
+    """Allocates KV slots to requests from one `BlockPool`, reusing cached prefixes.
+
+    One full-attention group unless `kv_cache_config` gives the groups of a hybrid model
+    (its block size and max_model_len must be the ones given here).
+    """
 
     def __init__(
         self,
@@ -40,32 +42,53 @@ class KVCacheManager:
         block_size: int,
         max_model_len: int,
         enable_caching: bool = True,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
+        if kv_cache_config is None:
+            kv_cache_config = KVCacheConfig.full_attention(block_size, max_model_len)
+        elif (kv_cache_config.block_size, kv_cache_config.max_model_len) != (
+            block_size,
+            max_model_len,
+        ):
+            raise ValueError(
+                f"the KV cache config has block_size={kv_cache_config.block_size} and "
+                f"max_model_len={kv_cache_config.max_model_len}, but the engine has "
+                f"block_size={block_size} and max_model_len={max_model_len}"
+            )
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
-        self.single_type_manager = FullAttentionManager(block_size, self.block_pool)
+        self.kv_cache_config = kv_cache_config
+        self.coordinator = get_kv_cache_coordinator(kv_cache_config, num_gpu_blocks, enable_caching)
+        self.block_pool = self.coordinator.block_pool
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
+    def num_kv_cache_groups(self) -> int:
+        return self.kv_cache_config.num_groups
+
+    @property
     def usage(self) -> float:
+        """Fraction of the pool held by requests, all groups together (they share one pool)."""
         return self.block_pool.get_usage()
 
+    def empty_blocks(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in range(self.num_kv_cache_groups)))
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Longest cached prefix of the request, as (blocks, number of tokens they hold).
+        """Longest cached prefix of the request, as (blocks per group, number of tokens they
+        hold); every group holds the KV it needs for the same number of tokens.
 
         A hit covers at most `num_tokens - 1` tokens: the last token is always computed, since
         its logits are needed to sample. The blocks are not yet referenced; pass them to
         `allocate_slots` in the same step.
         """
         if not self.enable_caching:
-            return KVCacheBlocks(), 0
+            return self.empty_blocks(), 0
         max_cache_hit_length = request.num_tokens - 1
-        computed_blocks = self.single_type_manager.find_longest_cache_hit(
+        computed_blocks, num_computed_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
-        num_computed_tokens = len(computed_blocks) * self.block_size
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_computed_tokens
         return KVCacheBlocks(computed_blocks), num_computed_tokens
@@ -78,48 +101,55 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
-        """Gives the request slots for `num_new_tokens` more tokens after its computed ones.
+        """Gives the request slots for `num_new_tokens` more tokens after its computed ones,
+        in every group.
 
         `new_computed_blocks` (from `get_computed_blocks`) are prefix hits, holding
-        `num_new_computed_tokens` tokens, that become the request's first blocks. Returns the
-        newly allocated blocks, or None when the free queue is short, counting hit blocks that
-        sit in the free queue as used (the caller then preempts someone). Full blocks are
+        `num_new_computed_tokens` tokens, that become the request's first blocks. Blocks that
+        fell out of a sliding window are freed first (no later token reads them). Returns the
+        newly allocated blocks per group, or None when the free queue cannot hold the new
+        blocks of every group, counting hit blocks that sit in the free queue as used (the
+        caller then preempts someone); on None no group allocates or touches a block (the
+        blocks outside the window stay freed: they are dead either way). Full blocks are
         registered in the prefix cache as soon as their tokens are scheduled.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        new_computed_block_list = new_computed_blocks.blocks if new_computed_blocks else []
+        if new_computed_blocks is None:
+            new_computed_blocks = self.empty_blocks()
+        new_computed_block_lists = new_computed_blocks.blocks
+        if not self.enable_caching and any(new_computed_block_lists):
+            raise ValueError("prefix-hit blocks given while prefix caching is disabled")
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(
             num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
-        num_blocks_to_allocate = self.single_type_manager.get_num_blocks_to_allocate(
-            request.request_id, num_tokens_need_slot, new_computed_block_list
+        self.coordinator.remove_skipped_blocks(request.request_id, num_computed_tokens)
+        num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
+            request.request_id, num_tokens_need_slot, new_computed_block_lists
         )
         if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
             return None
-        if self.enable_caching:
-            self.single_type_manager.save_new_computed_blocks(
-                request.request_id, new_computed_block_list
-            )
-        elif new_computed_block_list:
-            raise ValueError("prefix-hit blocks given while prefix caching is disabled")
-        new_blocks = self.single_type_manager.allocate_new_blocks(
-            request.request_id, num_tokens_need_slot
-        )
+        self.coordinator.save_new_computed_blocks(request.request_id, new_computed_block_lists)
+        new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
         if self.enable_caching:
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
-            self.single_type_manager.cache_blocks(request, num_tokens_to_cache)
+            self.coordinator.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request) -> None:
-        self.single_type_manager.free(request.request_id)
+        """Frees the request's blocks in every group."""
+        self.coordinator.free(request.request_id)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks(list(self.single_type_manager.req_to_blocks.get(request_id, [])))
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Raises BlockPoolIntegrityError if the pool or any group's bookkeeping is unsound."""
+        self.coordinator.check_integrity()

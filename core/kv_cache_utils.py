@@ -12,6 +12,9 @@ import msgspec
 import xxhash
 
 BlockHash = NewType("BlockHash", bytes)
+# A block hash followed by its KV cache group id: each group of a hybrid model holds its own
+# copy of a prefix's KV, so each group has its own entries in the pool's one hash map.
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 
 # Seed of every hash chain. Random per engine process, so block hashes cannot be predicted
 # (or collided on purpose) from outside; deterministic within the engine that computes them.
@@ -36,6 +39,16 @@ def hash_block_tokens(
     return BlockHash(hasher.digest())
 
 
+def make_block_hash_with_group_id(
+    block_hash: BlockHash, kv_cache_group_id: int
+) -> BlockHashWithGroupId:
+    return BlockHashWithGroupId(block_hash + kv_cache_group_id.to_bytes(4, "big"))
+
+
+def get_group_id(block_hash_with_group_id: BlockHashWithGroupId) -> int:
+    return int.from_bytes(block_hash_with_group_id[-4:], "big")
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """Metadata of one physical KV block.
@@ -46,17 +59,17 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    _block_hash: BlockHash | None = None
+    _block_hash: BlockHashWithGroupId | None = None
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False
 
     @property
-    def block_hash(self) -> BlockHash | None:
+    def block_hash(self) -> BlockHashWithGroupId | None:
         return self._block_hash
 
     @block_hash.setter
-    def block_hash(self, block_hash: BlockHash) -> None:
+    def block_hash(self, block_hash: BlockHashWithGroupId) -> None:
         if self._block_hash is not None:
             raise RuntimeError(f"block {self.block_id} already has a hash")
         self._block_hash = block_hash

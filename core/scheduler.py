@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from common.math_utils import cdiv
 from core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from core.kv_cache_spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from core.request import Request, RequestStatus
 from core.request_queue import create_request_queue
 from core.scheduler_config import SchedulerConfig
@@ -45,16 +47,24 @@ class Scheduler:
     `long_prefill_token_threshold`. When KV blocks run out, the last running request (FCFS)
     or the lowest-priority one is preempted by recompute, and no waiting request is admitted
     in that step. `num_computed_tokens` is advanced when a step is scheduled.
+
+    `kv_cache_config` gives the KV cache groups of a hybrid model (one full-attention group
+    otherwise). Workers get group 0's block ids only, until the wire carries every group's.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
+        if kv_cache_config is not None:
+            _check_pool_holds_one_request(config, kv_cache_config)
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=config.num_gpu_blocks,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
+            kv_cache_config=kv_cache_config,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
@@ -211,7 +221,7 @@ class Scheduler:
         """Prefix-cache hits, except for a request that wants prompt logprobs: those need the
         logits of every prompt token, which cached blocks do not have."""
         if request.sampling_params.prompt_logprobs is not None:
-            return KVCacheBlocks(), 0
+            return self.kv_cache_manager.empty_blocks(), 0
         return self.kv_cache_manager.get_computed_blocks(request)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
@@ -268,7 +278,7 @@ class Scheduler:
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
-            block_ids=plan.req_to_new_blocks[request.request_id].get_block_ids(),
+            block_ids=plan.req_to_new_blocks[request.request_id].get_block_ids()[0],
             num_computed_tokens=request.num_computed_tokens,
         )
 
@@ -280,7 +290,7 @@ class Scheduler:
         return CachedRequestData(
             req_id=request.request_id,
             num_computed_tokens=request.num_computed_tokens,
-            new_block_ids=plan.req_to_new_blocks[request.request_id].get_block_ids(),
+            new_block_ids=plan.req_to_new_blocks[request.request_id].get_block_ids()[0],
             new_token_ids=request.all_token_ids[num_tokens_sent:],
             resumed_from_preemption=resumed,
         )
@@ -381,6 +391,30 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
         )
+
+
+def _check_pool_holds_one_request(config: SchedulerConfig, kv_cache_config: KVCacheConfig) -> None:
+    """A request of max_model_len tokens must fit in every group at once, or it could only
+    ever preempt itself. A sliding-window group holds at most its window plus one step's
+    tokens (the blocks before are freed as the request advances)."""
+    num_blocks_needed = sum(
+        _max_blocks_per_request(spec, config) for spec in kv_cache_config.kv_cache_groups
+    )
+    if config.num_gpu_blocks - 1 < num_blocks_needed:
+        raise ValueError(
+            f"num_gpu_blocks={config.num_gpu_blocks} cannot hold one request of max_model_len="
+            f"{config.max_model_len} tokens in its {kv_cache_config.num_groups} KV cache groups "
+            f"({num_blocks_needed} blocks of {config.block_size} plus the null block); "
+            "lower max_model_len or give the KV cache more memory"
+        )
+
+
+def _max_blocks_per_request(spec: KVCacheSpec, config: SchedulerConfig) -> int:
+    num_blocks_full = cdiv(config.max_model_len, config.block_size)
+    if isinstance(spec, SlidingWindowSpec):
+        num_tokens_in_reach = spec.sliding_window - 1 + config.max_num_batched_tokens
+        return min(num_blocks_full, cdiv(num_tokens_in_reach, config.block_size) + 1)
+    return num_blocks_full
 
 
 def _queue_time_s(request: Request) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from core.kv_cache_spec import KVCacheConfig
 from core.request import Request
 from core.scheduler import Scheduler, SchedulerConfig
 from proto import ModelRunnerOutput, SamplingParams, SchedulerOutput
@@ -31,7 +32,7 @@ def make_request(
     )
 
 
-def make_scheduler(**overrides) -> Scheduler:
+def make_scheduler(kv_cache_config: KVCacheConfig | None = None, **overrides) -> Scheduler:
     config = dict(
         max_num_seqs=16,
         max_num_batched_tokens=64,
@@ -40,7 +41,7 @@ def make_scheduler(**overrides) -> Scheduler:
         num_gpu_blocks=64,
     )
     config.update(overrides)
-    return Scheduler(SchedulerConfig(**config))
+    return Scheduler(SchedulerConfig(**config), kv_cache_config)
 
 
 def scheduled_req_ids(scheduler_output: SchedulerOutput) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from core.kv_cache_manager import KVCacheManager
+from core.kv_cache_utils import make_block_hash_with_group_id
 from tests.core_factories import make_request
 
 BLOCK = 16
@@ -26,12 +27,12 @@ def test_allocate_fresh_prompt_takes_blocks_from_the_head():
     manager = make_manager()
     request = make_request("a", list(range(40)), block_size=BLOCK)
     blocks, num_hit = manager.get_computed_blocks(request)
-    assert num_hit == 0 and len(blocks) == 0
+    assert num_hit == 0 and blocks.get_block_ids() == ([],)
     new = manager.allocate_slots(request, 40)
-    assert new.get_block_ids() == [1, 2, 3]
-    assert manager.get_block_ids("a") == [1, 2, 3]
+    assert new.get_block_ids() == ([1, 2, 3],)
+    assert manager.get_block_ids("a") == ([1, 2, 3],)
     # the two full blocks are registered in the prefix cache, the partial one is not
-    assert [b.block_hash is not None for b in new.blocks] == [True, True, False]
+    assert [b.block_hash is not None for b in new.blocks[0]] == [True, True, False]
     manager.block_pool.check_integrity()
 
 
@@ -44,12 +45,12 @@ def test_ten_cached_blocks_plus_three_new_tokens_need_exactly_one_block():
     manager.free(first)
     second = make_request("second", prefix + [7, 8, 9], block_size=BLOCK)
     blocks, num_hit = manager.get_computed_blocks(second)
-    assert num_hit == 160 and len(blocks) == 10
+    assert num_hit == 160 and len(blocks.blocks[0]) == 10
     num_free_before = manager.block_pool.get_num_free_blocks()
     new = manager.allocate_slots(second, 3, num_hit, blocks)
-    assert len(new) == 1
-    assert manager.get_block_ids("second")[:10] == blocks.get_block_ids()
-    assert len(manager.get_block_ids("second")) == 11
+    assert len(new.blocks[0]) == 1
+    assert manager.get_block_ids("second")[0][:10] == blocks.get_block_ids()[0]
+    assert len(manager.get_block_ids("second")[0]) == 11
     assert manager.block_pool.get_num_free_blocks() == num_free_before - 11
     manager.block_pool.check_integrity()
 
@@ -59,7 +60,7 @@ def test_hit_never_covers_the_last_token():
     prompt = list(range(32))  # exactly 2 full blocks
     compute_fully(manager, make_request("a", prompt, block_size=BLOCK))
     blocks, num_hit = manager.get_computed_blocks(make_request("b", prompt, block_size=BLOCK))
-    assert num_hit == 16 and len(blocks) == 1
+    assert num_hit == 16 and len(blocks.blocks[0]) == 1
 
 
 def test_hit_stops_at_the_first_miss():
@@ -91,7 +92,7 @@ def test_free_releases_blocks_tail_first_and_keeps_hashes():
     manager = make_manager(num_gpu_blocks=6)
     request = make_request("a", list(range(48)), block_size=BLOCK)
     compute_fully(manager, request)
-    assert manager.get_block_ids("a") == [1, 2, 3]
+    assert manager.get_block_ids("a") == ([1, 2, 3],)
     manager.free(request)
     order = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
     assert order == [4, 5, 3, 2, 1]
@@ -103,14 +104,16 @@ def test_decode_appends_blocks_as_tokens_arrive():
     manager = make_manager()
     request = make_request("a", list(range(15)), block_size=BLOCK)
     compute_fully(manager, request)
-    assert manager.get_block_ids("a") == [1]
+    assert manager.get_block_ids("a") == ([1],)
     request.append_output_token_ids(42)  # 16 tokens: block 1 is now full
     new = manager.allocate_slots(request, 1)
-    assert new.get_block_ids() == []
-    assert manager.block_pool.blocks[1].block_hash == request.block_hashes[0]
+    assert new.get_block_ids() == ([],)
+    assert manager.block_pool.blocks[1].block_hash == make_block_hash_with_group_id(
+        request.block_hashes[0], 0
+    )
     request.num_computed_tokens = 16
     request.append_output_token_ids(43)
-    assert manager.allocate_slots(request, 1).get_block_ids() == [2]
+    assert manager.allocate_slots(request, 1).get_block_ids() == ([2],)
 
 
 def test_prefix_cache_stats_in_tokens():
@@ -135,7 +138,7 @@ def test_allocation_is_capped_at_max_model_len():
     manager = make_manager(max_model_len=40)
     request = make_request("a", list(range(40)), block_size=BLOCK)
     new = manager.allocate_slots(request, 40, num_lookahead_tokens=20)
-    assert len(new) == 3
+    assert len(new.blocks[0]) == 3
 
 
 def test_zero_new_tokens_is_an_error():

@@ -5,8 +5,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from core.request import RequestStatus
-from tests.core_factories import fake_model_output, make_request, make_scheduler
+from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request, make_scheduler
 
 actions = st.lists(
     st.one_of(
@@ -30,9 +31,18 @@ actions = st.lists(
     budget=st.integers(1, 40),
     policy=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
+    sliding_window=st.sampled_from([None, 1, 4, 5, 9]),
 )
-def test_random_interleavings_keep_invariants(actions, num_gpu_blocks, budget, policy, caching):
+def test_random_interleavings_keep_invariants(
+    actions, num_gpu_blocks, budget, policy, caching, sliding_window
+):
+    kv_cache_config = None
+    if sliding_window is not None:  # hybrid: a full-attention and a sliding-window group
+        groups = (FullAttentionSpec(BLOCK_SIZE), SlidingWindowSpec(BLOCK_SIZE, sliding_window))
+        kv_cache_config = KVCacheConfig(groups, max_model_len=32)
+        num_gpu_blocks += 8  # room for a max_model_len request in both groups
     scheduler = make_scheduler(
+        kv_cache_config=kv_cache_config,
         num_gpu_blocks=num_gpu_blocks,
         max_model_len=32,
         max_num_batched_tokens=budget,
@@ -62,7 +72,7 @@ def test_random_interleavings_keep_invariants(actions, num_gpu_blocks, budget, p
             scheduler.update_from_output(output, runner_output)
         elif added:
             scheduler.finish_requests(added[action[1] % len(added)], RequestStatus.FINISHED_ABORTED)
-        pool.check_integrity()
+        scheduler.kv_cache_manager.check_integrity()
         _check_block_ownership(scheduler)
 
     for _ in range(2000):
@@ -70,7 +80,7 @@ def test_random_interleavings_keep_invariants(actions, num_gpu_blocks, budget, p
             break
         output = scheduler.schedule()
         scheduler.update_from_output(output, fake_model_output(scheduler, output, lambda r: 1))
-        pool.check_integrity()
+        scheduler.kv_cache_manager.check_integrity()
     assert not scheduler.has_unfinished_requests()
     assert pool.get_num_free_blocks() == num_gpu_blocks - 1
     assert scheduler.kv_cache_manager.usage == 0.0
@@ -86,11 +96,13 @@ def _check_output_consistency(scheduler, output):
 
 
 def _check_block_ownership(scheduler):
-    """Every block a request holds is referenced at least once per holder."""
+    """Every non-null block a request holds, in any group, is referenced once per holder."""
     manager = scheduler.kv_cache_manager
     holders = {}
     for request_id in scheduler.requests:
-        for block_id in manager.get_block_ids(request_id):
-            holders[block_id] = holders.get(block_id, 0) + 1
+        for group_block_ids in manager.get_block_ids(request_id):
+            for block_id in group_block_ids:
+                holders[block_id] = holders.get(block_id, 0) + 1
+    holders.pop(manager.block_pool.null_block.block_id, None)
     for block_id, count in holders.items():
         assert manager.block_pool.blocks[block_id].ref_cnt == count
