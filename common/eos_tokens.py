@@ -26,11 +26,36 @@ GGUF_EOS_KEYS = (
     "tokenizer.ggml.eot_token_id",
     "tokenizer.ggml.eom_token_id",
 )
+GGUF_EOT_KEY = "tokenizer.ggml.eot_token_id"
+# End-of-turn tokens that llama.cpp finds by their text when a GGUF names no eot id (its
+# converter leaves Gemma's <end_of_turn> out of the metadata). Only the ones that no model
+# served before relied on being absent: adding "<|endoftext|>" would change SmolLM2's stops.
+GGUF_END_OF_TURN_TOKENS = ("<end_of_turn>",)
 
 
 def gguf_eos_token_ids(gguf_file: GGUFFile) -> tuple[int, ...]:
-    """eos, end-of-turn and end-of-message ids of a GGUF file, without duplicates."""
-    return _unique([gguf_file.field(key) for key in GGUF_EOS_KEYS])
+    """eos, end-of-turn and end-of-message ids of a GGUF file, without duplicates; without an
+    eot id in the metadata, a token spelled like one of GGUF_END_OF_TURN_TOKENS is it."""
+    token_ids = [gguf_file.field(key) for key in GGUF_EOS_KEYS]
+    if gguf_file.field(GGUF_EOT_KEY) is None:
+        tokens = gguf_file.field("tokenizer.ggml.tokens") or []
+        token_types = gguf_file.field("tokenizer.ggml.token_type") or []
+        token_ids += _control_token_ids(tokens, token_types, GGUF_END_OF_TURN_TOKENS)
+    return _unique(token_ids)
+
+
+def _control_token_ids(
+    tokens: list[str], token_types: list[int], texts: tuple[str, ...]
+) -> list[int]:
+    """Ids of the tokens spelled as one of `texts` (in that order) that are control tokens
+    (token type 3) or untyped; a normal token that happens to read the same is no stop."""
+    text_to_id = {}
+    for token_id, token in enumerate(tokens):
+        if token in texts and token not in text_to_id:
+            is_control = token_id >= len(token_types) or token_types[token_id] == 3
+            if is_control:
+                text_to_id[token] = token_id
+    return [text_to_id[text] for text in texts if text in text_to_id]
 
 
 def hf_eos_token_ids(folder: Path) -> tuple[int, ...]:

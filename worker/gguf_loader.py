@@ -1,9 +1,13 @@
 """Reads a GGUF file as if it were a Hugging Face checkpoint: config dict + HF-named tensors.
 
-Every tensor is dequantized to float32 with the `gguf` package (Q4_1, Q8_0, K-quants, F16, ...)
-and renamed to its transformers name. llama.cpp stores the Q and K projections of the `llama`
-architecture with rows permuted for its interleaved RoPE; `iter_gguf_weights` undoes that, so
-the weights match the HF layout that `worker.layers.RotaryEmbedding` (rotate-half) expects.
+Every tensor is dequantized to float32 and renamed to its transformers name: Q4_K and Q6_K (the
+bulk of a Q4_K_M file) by this module's vectorized numpy (`dequantize_q4_k`, `dequantize_q6_k`,
+bit-exact with the `gguf` package's reference), every other type (Q4_1, Q5_0, Q8_0, F16, ...) by
+the `gguf` package. llama.cpp stores the Q and K projections of the `llama` architecture with
+rows permuted for its interleaved RoPE; `iter_gguf_weights` undoes that, so the weights match
+the HF layout that `worker.layers.RotaryEmbedding` (rotate-half) expects. Its Gemma converter
+stores every RMSNorm weight as 1 + w; the loader subtracts the 1 again, as transformers does,
+so the weights are the HF checkpoint's (whose Gemma norms multiply by 1 + w).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ GGUF_ARCHITECTURE_TO_HF = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes (the NEOX-rope ones it leaves).
 PERMUTED_QK_ARCHITECTURES = ("llama",)
@@ -46,11 +51,30 @@ LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 has four norms per layer; llama.cpp's `ffn_norm` is its pre-feedforward norm there.
+GEMMA3_LAYER_TENSOR_NAMES = {
+    **LAYER_TENSOR_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+ARCHITECTURE_TO_LAYER_TENSOR_NAMES = {"gemma3": GEMMA3_LAYER_TENSOR_NAMES}
+# Architectures whose norm weights llama.cpp's converter stored as 1 + w.
+NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
+# Gemma 3 values that llama.cpp hard-codes instead of writing to the metadata.
+GEMMA3_ROPE_LOCAL_BASE_FREQ = 10000.0
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
 LAYER_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ GGUFs store RoPE scaling as per-frequency divisors in this tensor.
 ROPE_FREQS_TENSOR_NAME = "rope_freqs.weight"
 # llama.cpp's file types whose weights are all unquantized, as HF dtype names.
 FILE_TYPE_TO_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}
+# K-quants: super-blocks of QK_K values (ggml-common.h's block_q4_K and block_q6_K).
+QK_K = 256
+Q4_K_TYPE_ID, Q6_K_TYPE_ID = 12, 14
+Q4_K_BLOCK_BYTES = 2 + 2 + 12 + QK_K // 2  # d, dmin (f16), 8 6-bit scale/min pairs, nibbles
+Q6_K_BLOCK_BYTES = QK_K // 2 + QK_K // 4 + QK_K // 16 + 2  # ql, qh, int8 scales, d (f16)
+TYPE_ID_TO_BLOCK_BYTES = {Q4_K_TYPE_ID: Q4_K_BLOCK_BYTES, Q6_K_TYPE_ID: Q6_K_BLOCK_BYTES}
 # ggml types stored as plain elements (the rest are blocks of quantized values).
 ELEMENT_DTYPES = {
     "F16": np.float16,
@@ -114,6 +138,8 @@ def gguf_to_hf_config(gguf_file: GGUFFile) -> tuple[dict[str, Any], dict[str, An
         "attention_bias": "blk.0.attn_q.bias" in tensor_shapes,
         "torch_dtype": FILE_TYPE_TO_DTYPE.get(gguf_file.field("general.file_type")),
     }
+    if arch == "gemma3":
+        hf_config.update(_gemma3_config(gguf_file, hf_config))
     generation_config = {
         "bos_token_id": gguf_file.field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(gguf_eos_token_ids(gguf_file)),
@@ -128,17 +154,15 @@ def iter_gguf_weights(
 
     Raises ValueError for a tensor with no HF counterpart or whose bytes pass the file's end.
     """
-    import gguf
-
     arch = gguf_file.field("general.architecture")
     mapped = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
     for tensor in gguf_file.tensors:
         if tensor.name == ROPE_FREQS_TENSOR_NAME:  # read into the config instead
             continue
-        hf_name = gguf_to_hf_tensor_name(tensor.name)
-        weights = np.asarray(
-            gguf.quants.dequantize(tensor_data(mapped, tensor), tensor.type_id), dtype=np.float32
-        )
+        hf_name = gguf_to_hf_tensor_name(tensor.name, arch)
+        weights = dequantize(tensor_data(mapped, tensor), tensor.type_id)
+        if arch in NORM_PLUS_ONE_ARCHITECTURES and hf_name.endswith("norm.weight"):
+            weights = weights - np.float32(1.0)
         if arch in PERMUTED_QK_ARCHITECTURES:
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 weights = unpermute_qk_rows(weights, config.num_attention_heads)
@@ -169,15 +193,77 @@ def tensor_data(mapped: np.ndarray, tensor: GGUFTensorInfo) -> np.ndarray:
     return raw.reshape(gguf.quant_shape_to_byte_shape(shape, qtype))
 
 
-def gguf_to_hf_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, etc."""
+def gguf_to_hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, etc. (`arch`: the
+    GGUF architecture, which decides what a layer's norms are called)."""
     if gguf_name in GLOBAL_TENSOR_NAMES:
         return GLOBAL_TENSOR_NAMES[gguf_name]
+    layer_names = ARCHITECTURE_TO_LAYER_TENSOR_NAMES.get(arch, LAYER_TENSOR_NAMES)
     match = LAYER_TENSOR_PATTERN.fullmatch(gguf_name)
-    if match is None or match.group(2) not in LAYER_TENSOR_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama-family model")
+    if match is None or match.group(2) not in layer_names:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the {arch!r} model")
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{LAYER_TENSOR_NAMES[kind]}.{suffix}"
+    return f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
+
+
+def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [N, 144] Q4_K blocks -> float32 [N, 256].
+
+    Eight sub-blocks of 32 values; sub-block j is `d * scale_j * q - dmin * min_j` with 6-bit
+    scale_j/min_j packed in 12 bytes and 4-bit q: sub-blocks 2i and 2i + 1 share the 32 bytes
+    i, the low nibbles holding 2i. Computed in ggml's float order, so bit-exact with it.
+    """
+    num_blocks = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [N, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[:, 4:16]
+    low, high, mixed = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    # ggml's get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7
+    # (mins); sub-blocks 4-7 take 4 bits from bytes 8-11 and their top 2 bits from bytes 0-7.
+    scales = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], axis=1)
+    mins = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], axis=1)
+    sub_scale = (d * scales.astype(np.float32))[:, :, None]  # [N, 8, 1]
+    sub_min = (dmin * mins.astype(np.float32))[:, :, None]
+    nibbles = blocks[:, 16:].reshape(num_blocks, 4, 1, 32)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2).reshape(num_blocks, 8, 32)
+    return (sub_scale * q.astype(np.float32) - sub_min).reshape(num_blocks, QK_K)
+
+
+def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [N, 210] Q6_K blocks -> float32 [N, 256].
+
+    Sixteen sub-blocks of 16 values, value = d * scale_j * (q - 32) with int8 scale_j and 6-bit
+    q: its low 4 bits in `ql`, its high 2 in `qh`. Each half of 128 values reads 64 bytes of ql
+    and 32 of qh: for l < 32, values l, l + 32, l + 64, l + 96 are the low nibbles of ql[l],
+    ql[l + 32], then their high nibbles, each with bits 0-1, 2-3, 4-5, 6-7 of qh[l].
+    Computed in ggml's float order, so bit-exact with it.
+    """
+    num_blocks = blocks.shape[0]
+    ql = blocks[:, : QK_K // 2].reshape(num_blocks, 2, 2, 32)  # [N, half, ql byte group, l]
+    qh = blocks[:, QK_K // 2 : QK_K // 2 + QK_K // 4].reshape(num_blocks, 2, 1, 32)
+    scales = blocks[:, QK_K * 3 // 4 : QK_K * 3 // 4 + QK_K // 16].view(np.int8)
+    d = blocks[:, -2:].copy().view(np.float16).astype(np.float32)  # [N, 1]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [N, half, 4 quarters, l]
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 0x03
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    sub_scale = (d * scales.astype(np.float32))[:, :, None]  # [N, 16, 1]
+    return (sub_scale * q.reshape(num_blocks, 16, 16).astype(np.float32)).reshape(num_blocks, QK_K)
+
+
+TYPE_ID_TO_DEQUANTIZER = {Q4_K_TYPE_ID: dequantize_q4_k, Q6_K_TYPE_ID: dequantize_q6_k}
+
+
+def dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
+    """float32 values of one tensor's data as `tensor_data` returns it (numpy shape)."""
+    import gguf
+
+    dequantizer = TYPE_ID_TO_DEQUANTIZER.get(type_id)
+    if dequantizer is None:
+        return np.asarray(gguf.quants.dequantize(data, type_id), dtype=np.float32)
+    rows = data.reshape(-1, data.shape[-1])
+    block_bytes = TYPE_ID_TO_BLOCK_BYTES[type_id]
+    values = dequantizer(rows.reshape(-1, block_bytes))
+    return values.reshape(*data.shape[:-1], data.shape[-1] // block_bytes * QK_K)
 
 
 def unpermute_qk_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -195,6 +281,41 @@ def _arch_field(gguf_file: GGUFFile, arch: str, key: str, default: Any = None) -
     if value is None:
         raise ValueError(f"GGUF metadata has no {arch}.{key}")
     return value
+
+
+def _gemma3_config(gguf_file: GGUFFile, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 keys of a transformers `Gemma3TextConfig` that the GGUF metadata gives or
+    llama.cpp implies (its converter drops what its runtime hard-codes)."""
+    num_layers = hf_config["num_hidden_layers"]
+    pattern = gguf_file.field("gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer, True = sliding
+        is_sliding = [bool(value) for value in pattern]
+    else:
+        period = int(pattern or GEMMA3_SLIDING_WINDOW_PATTERN)
+        is_sliding = [(layer + 1) % period != 0 for layer in range(num_layers)]
+    if len(is_sliding) != num_layers:
+        raise ValueError(
+            f"gemma3.attention.sliding_window_pattern has {len(is_sliding)} entries for "
+            f"{num_layers} layers"
+        )
+    # llama.cpp scales queries by 1/sqrt(head_dim), except for the 62-layer 27B model, whose
+    # query_pre_attn_scalar is hidden_size / num_attention_heads.
+    query_pre_attn_scalar = (
+        hf_config["hidden_size"] // hf_config["num_attention_heads"]
+        if num_layers == 62
+        else hf_config["head_dim"]
+    )
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(_arch_field(gguf_file, "gemma3", "attention.sliding_window")),
+        "layer_types": [
+            "sliding_attention" if sliding else "full_attention" for sliding in is_sliding
+        ],
+        "rope_local_base_freq": GEMMA3_ROPE_LOCAL_BASE_FREQ,
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "final_logit_softcapping": gguf_file.field("gemma3.final_logit_softcapping"),
+        "attn_logit_softcapping": gguf_file.field("gemma3.attn_logit_softcapping"),
+    }
 
 
 def _rope_freq_factors(gguf_file: GGUFFile) -> dict[str, Any] | None:

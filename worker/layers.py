@@ -115,6 +115,25 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * normalized).to(out_dtype)
 
 
+class GemmaRMSNorm(nn.Module):
+    """y = (x / sqrt(mean(x^2) + eps)) * (1 + weight), in float32, out in the weight's dtype.
+
+    Gemma's norm: the checkpoint stores weight - 1 (transformers' Gemma3RMSNorm, whose float32
+    numerics this repeats op for op). No fused residual add: Gemma adds the residual after a
+    second norm of each sub-block's output.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_parameter(hidden_size, weight_loader=default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normalized * (1.0 + self.weight.float())).to(self.weight.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE angles for rotate-half (NEOX/HF) layout: `forward(positions)` -> float32 (cos, sin)
     [T, D / 2], the angles of the pairs (i, i + D / 2).
@@ -213,6 +232,15 @@ class SiluAndMul(nn.Module):
             return cpu_fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """[..., 2 * I] -> gelu_tanh(first half) * second half, [..., I]: Gemma's GeGLU
+    (transformers' "gelu_pytorch_tanh")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class ColumnParallelLinear(PackableLinear):

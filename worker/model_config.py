@@ -25,9 +25,18 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPE_TO_ARCHITECTURE.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "gguf_freq_factors")
+# Architectures with sliding-window layers that the attention here masks exactly (the others'
+# windows are not applied, so their max_position_embeddings is clamped to the window).
+WINDOWED_ARCHITECTURES = ("Gemma3ForCausalLM",)
+# The MLP activation of each architecture (the only one its definition computes).
+ARCHITECTURE_TO_ACTIVATION = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}
+DEFAULT_ACTIVATION = "silu"
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +47,14 @@ class ModelConfig:
     `rope_scaling` is None for plain RoPE, else a dict with "rope_type" in
     SUPPORTED_ROPE_TYPES and that type's parameters (HF names; "gguf_freq_factors" carries
     llama.cpp's per-frequency divisors as "freq_factors"). `max_position_embeddings` is
-    the longest sequence served exactly (clamped to the sliding window when the model has one,
-    since attention here is always full). `eos_token_ids` holds every stop id of config.json
+    the longest sequence served exactly (clamped to the sliding window when a model outside
+    WINDOWED_ARCHITECTURES has one, since its attention here is full). `eos_token_ids` holds every stop id of config.json
     and generation_config.json, first the config's.
+
+    Gemma 3 only: `layer_types[i]` is "sliding_attention" (layer i attends to the last
+    `sliding_window` positions, itself included, with RoPE base `rope_local_theta`) or
+    "full_attention" (rope_theta, rope_scaling); queries are scaled by
+    `query_pre_attn_scalar ** -0.5`; logits are soft-capped at `final_logit_softcapping` when set.
     """
 
     architecture: str
@@ -62,6 +76,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     attention_output_bias: bool = False
+    hidden_act: str = DEFAULT_ACTIVATION
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        """Per layer, its attention window in tokens (None: full attention)."""
+        if self.layer_types is None:
+            return [None] * self.num_hidden_layers
+        return [
+            self.sliding_window if layer_type == SLIDING_ATTENTION else None
+            for layer_type in self.layer_types
+        ]
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -88,6 +118,19 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"model config has {len(self.layer_types)} layer_types for "
+                    f"num_hidden_layers={self.num_hidden_layers}"
+                )
+            unknown = set(self.layer_types) - {SLIDING_ATTENTION, FULL_ATTENTION}
+            if unknown:
+                raise ValueError(f"unsupported layer_types {sorted(unknown)}")
+            if SLIDING_ATTENTION in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ValueError(
+                    f"sliding_attention layers need sliding_window > 0, got {self.sliding_window}"
+                )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -125,12 +168,13 @@ def model_config_from_dicts(
 ) -> ModelConfig:
     """Builds a ModelConfig from config.json and generation_config.json contents."""
     architecture = _architecture(hf_config)
-    _reject_unsupported_features(hf_config)
+    _reject_unsupported_features(hf_config, architecture)
     num_attention_heads = int(hf_config["num_attention_heads"])
     hidden_size = int(hf_config["hidden_size"])
     rope_theta, rope_scaling = _rope(hf_config)
     is_qwen2 = architecture == "Qwen2ForCausalLM"
     attention_bias = True if is_qwen2 else bool(hf_config.get("attention_bias", False))
+    gemma3 = _gemma3_fields(hf_config) if architecture == "Gemma3ForCausalLM" else {}
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(hf_config["vocab_size"]),
@@ -147,13 +191,40 @@ def model_config_from_dicts(
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         attention_output_bias=False if is_qwen2 else attention_bias,
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         bos_token_id=_first_id(
             generation_config.get("bos_token_id", hf_config.get("bos_token_id"))
         ),
         eos_token_ids=_eos_token_ids(hf_config, generation_config),
         torch_dtype=hf_config.get("dtype") or hf_config.get("torch_dtype"),
+        hidden_act=ARCHITECTURE_TO_ACTIVATION.get(architecture, DEFAULT_ACTIVATION),
+        **gemma3,
     )
+
+
+def _gemma3_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's layer types, local RoPE base, query scale and soft-capping, from a
+    transformers-5 config (`rope_parameters` per layer type) or a 4.x one."""
+    num_layers = int(hf_config["num_hidden_layers"])
+    layer_types = hf_config.get("layer_types")
+    if layer_types is None:
+        period = int(hf_config.get("sliding_window_pattern") or 6)
+        layer_types = [
+            SLIDING_ATTENTION if (layer + 1) % period else FULL_ATTENTION
+            for layer in range(num_layers)
+        ]
+    local = (hf_config.get("rope_parameters") or {}).get(SLIDING_ATTENTION) or {}
+    local_theta = local.get("rope_theta", hf_config.get("rope_local_base_freq", 10000.0))
+    softcap = hf_config.get("final_logit_softcapping")
+    if hf_config.get("attn_logit_softcapping"):
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 has none)")
+    return {
+        "sliding_window": int(hf_config["sliding_window"]),
+        "layer_types": tuple(layer_types),
+        "rope_local_theta": float(local_theta),
+        "query_pre_attn_scalar": float(hf_config.get("query_pre_attn_scalar", 256)),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+    }
 
 
 def _architecture(hf_config: dict[str, Any]) -> str:
@@ -171,16 +242,19 @@ def _architecture(hf_config: dict[str, Any]) -> str:
     return architecture
 
 
-def _reject_unsupported_features(hf_config: dict[str, Any]) -> None:
+def _reject_unsupported_features(hf_config: dict[str, Any], architecture: str) -> None:
     if hf_config.get("quantization_config"):
         method = hf_config["quantization_config"].get("quant_method", "unknown")
         raise ValueError(
             f"quantized checkpoints (quant_method={method!r}) are not supported; use a "
             "float16/bfloat16/float32 checkpoint or a GGUF file"
         )
-    activation = hf_config.get("hidden_act", "silu")
-    if activation != "silu":
-        raise ValueError(f"unsupported hidden_act {activation!r}; supported: 'silu'")
+    supported = ARCHITECTURE_TO_ACTIVATION.get(architecture, DEFAULT_ACTIVATION)
+    activation = hf_config.get("hidden_activation") or hf_config.get("hidden_act", supported)
+    if activation != supported:
+        raise ValueError(
+            f"unsupported hidden_act {activation!r} for {architecture}; supported: {supported!r}"
+        )
     if hf_config.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported (Llama-family MLPs here have no bias)")
 
@@ -188,6 +262,8 @@ def _reject_unsupported_features(hf_config: dict[str, Any]) -> None:
 def _rope(hf_config: dict[str, Any]) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from transformers-5 `rope_parameters` or 4.x fields."""
     parameters = dict(hf_config.get("rope_parameters") or {})
+    if FULL_ATTENTION in parameters:  # per layer type (Gemma 3): this is the global layers'
+        parameters = dict(parameters[FULL_ATTENTION])
     legacy_scaling = hf_config.get("rope_scaling") or {}
     parameters = {**legacy_scaling, **parameters}
     rope_theta = float(parameters.pop("rope_theta", hf_config.get("rope_theta", 10000.0)))
@@ -201,6 +277,8 @@ def _rope(hf_config: dict[str, Any]) -> tuple[float, dict | None]:
 def _max_position_embeddings(hf_config: dict[str, Any], architecture: str) -> int:
     max_positions = int(hf_config.get("max_position_embeddings", 2048))
     window = hf_config.get("sliding_window")
+    if architecture in WINDOWED_ARCHITECTURES:
+        return max_positions
     uses_window = (
         hf_config.get("use_sliding_window", False)
         if architecture.startswith("Qwen")

@@ -30,13 +30,18 @@ def reference_cache_root() -> Path:
 
 
 def converted_default_model_folder() -> Path:
-    """The default GGUF as an HF folder, converted once by transformers and cached on disk.
+    """The default GGUF as an HF folder, converted once by transformers and cached on disk."""
+    return converted_gguf_folder(default_model_path())
 
-    The conversion is transformers' own (dequantize + undo llama.cpp's Q/K permutation), so
-    it is an independent reference for `worker.gguf_loader`. Safe against concurrent builders:
-    the folder is built aside and renamed into place.
+
+def converted_gguf_folder(gguf_path: Path) -> Path:
+    """A GGUF file as an HF folder, converted once by transformers and cached on disk.
+
+    The conversion is transformers' own (dequantize + undo llama.cpp's Q/K permutation, Gemma's
+    norm weights minus 1), so it is an independent reference for `worker.gguf_loader`. Safe
+    against concurrent builders: the folder is built aside and renamed into place.
     """
-    gguf_path = default_model_path()
+    gguf_path = Path(gguf_path)
     stat = gguf_path.stat()
     key_text = f"{CONVERTER_VERSION}:{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:12]

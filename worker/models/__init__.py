@@ -5,10 +5,14 @@ from __future__ import annotations
 from torch import nn
 
 from worker.model_config import SUPPORTED_ARCHITECTURES
+from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
 
-# Every supported architecture is the same Llama-family definition with different flags.
-ARCHITECTURE_TO_MODEL_CLASS = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
+# Every other supported architecture is the Llama-family definition with different flags.
+ARCHITECTURE_TO_MODEL_CLASS = {
+    **dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM),
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
@@ -21,4 +25,9 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return ARCHITECTURE_TO_MODEL_CLASS[architecture]
 
 
-__all__ = ["ARCHITECTURE_TO_MODEL_CLASS", "LlamaForCausalLM", "get_model_class"]
+__all__ = [
+    "ARCHITECTURE_TO_MODEL_CLASS",
+    "Gemma3ForCausalLM",
+    "LlamaForCausalLM",
+    "get_model_class",
+]

@@ -1,0 +1,206 @@
+"""`Gemma3ForCausalLM`: Gemma 3's text model (transformers' `Gemma3ForCausalLM`).
+
+What sets it apart from the Llama family: a GeGLU MLP (tanh-approximated gelu), RMSNorms that
+multiply by (1 + weight), q/k norms, four norms per layer (the attention and MLP outputs are
+normed again before their residual adds), embeddings scaled by sqrt(hidden_size) in the model's
+dtype, queries scaled by query_pre_attn_scalar ** -0.5, optional final logit soft-capping, and
+two kinds of layers: sliding-window layers (attend to the last `sliding_window` positions, RoPE
+base `rope_local_theta`) and global layers (full attention, `rope_theta` and `rope_scaling`).
+
+Every layer keeps the full KV cache; a sliding layer's window is applied as an attention mask
+(`kernels.write_kv_and_attend(..., sliding_window=)`). Parameter names follow transformers,
+with q/k/v and gate/up fused as in `worker.models.llama`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import AttentionMetadata, write_kv_and_attend
+from worker.layers import (
+    GeluTanhAndMul,
+    GemmaRMSNorm,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary_qk,
+    residual_dtype,
+)
+from worker.model_config import SLIDING_ATTENTION, ModelConfig
+from worker.models.llama import LlamaForCausalLM
+
+
+class Gemma3Attention(nn.Module):
+    """GQA self-attention of one layer (this rank's heads), windowed on sliding layers."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.head_dim = config.head_dim
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.is_sliding = config.layer_types[layer] == SLIDING_ATTENTION
+        self.sliding_window = config.sliding_window if self.is_sliding else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        proj = self.qkv_proj
+        q, k, v = self.qkv_proj(hidden_states).split(
+            [proj.q_size, proj.kv_size, proj.kv_size], dim=-1
+        )
+        q = self.q_norm(q.reshape(num_tokens, proj.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(num_tokens, proj.num_kv_heads, self.head_dim))
+        v = v.reshape(num_tokens, proj.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_qk(q, k, *cos_sin)
+        attn = write_kv_and_attend(q, k, v, kv_cache, metadata, self.scale, self.sliding_window)
+        return self.o_proj(attn.reshape(num_tokens, proj.q_size))
+
+
+class Gemma3MLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused in one column-parallel matmul."""
+
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.act_fn = GeluTanhAndMul()
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """x + post_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.self_attn = Gemma3Attention(config, layer, tp_rank, tp_size)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.mlp = Gemma3MLP(config, tp_rank, tp_size)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The residual stream before this layer -> the stream after it (same dtype)."""
+        hidden_states = self.self_attn(self.input_layernorm(residual), cos_sin, kv_cache, metadata)
+        residual = residual + self.post_attention_layernorm(hidden_states).to(residual.dtype)
+        hidden_states = self.mlp(self.pre_feedforward_layernorm(residual))
+        return residual + self.post_feedforward_layernorm(hidden_states).to(residual.dtype)
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embedding, decoder layers, final norm: token ids -> last hidden states."""
+
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        if config.layer_types is None or config.query_pre_attn_scalar is None:
+            raise ValueError("a Gemma 3 model config needs layer_types and query_pre_attn_scalar")
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        # transformers keeps sqrt(hidden_size) as a float32 buffer and casts it to the weights'
+        # dtype before multiplying; so does this.
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32))
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, layer, tp_rank, tp_size)
+            for layer in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb_local = RotaryEmbedding(config.head_dim, config.rope_local_theta, None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata | list[AttentionMetadata],
+    ) -> torch.Tensor:
+        """`metadata`: one for every layer, or one per layer (its KV cache group's)."""
+        if not isinstance(metadata, list):
+            metadata = [metadata] * len(self.layers)
+        embeddings = self.embed_tokens(input_ids)
+        embeddings = embeddings * torch.tensor(self.embed_scale, dtype=embeddings.dtype)
+        residual = embeddings.to(residual_dtype(embeddings.device, embeddings.dtype))
+        cos_sin_global = self.rotary_emb(positions)
+        cos_sin_local = self.rotary_emb_local(positions)
+        for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
+            cos_sin = cos_sin_local if layer.self_attn.is_sliding else cos_sin_global
+            residual = layer(residual, cos_sin, kv_cache, layer_metadata)
+        return self.norm(residual)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """The causal LM: `forward` -> hidden states [T, hidden], `compute_logits` -> [N, vocab].
+
+    Same contract as `LlamaForCausalLM` (kv_caches[i] is layer i's full paged cache).
+    """
+
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata | list[AttentionMetadata],
+    ) -> torch.Tensor:
+        """input_ids/positions int64 [T] -> hidden states [T, hidden] (model dtype)."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab_size], soft-capped when configured."""
+        logits = self.lm_head.compute_logits(hidden_states)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
