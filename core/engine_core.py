@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from core.kv_cache_spec import KVCacheConfig
 from core.request import Request, RequestStatus
 from core.scheduler import Scheduler
 from core.scheduler_config import SchedulerConfig
@@ -138,6 +139,9 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         policy=config.policy,
     )
+    kv_cache_config = KVCacheConfig.for_layers(
+        readies[0].layer_sliding_windows, config.block_size, scheduler_config.max_model_len
+    )
     executor.initialize_cache(num_gpu_blocks)
     ready = EngineReady(
         num_gpu_blocks,
@@ -147,7 +151,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         min(r.vocab_size for r in readies),
         list(readies[0].eos_token_ids),
     )
-    return EngineCore(Scheduler(scheduler_config), executor), ready
+    return EngineCore(Scheduler(scheduler_config, kv_cache_config), executor), ready
 
 
 def make_request(core_request: EngineCoreRequest, block_size: int, vocab_size: int) -> Request:

@@ -33,6 +33,7 @@ from core.engine_core import (
 )
 from core.executor import Executor, WorkerFailedError
 from core.request import Request
+from core.scheduler import Scheduler, max_blocks_per_request
 from proto import (
     AbortRequests,
     EngineCoreRequest,
@@ -101,7 +102,7 @@ class EngineCoreProc:
         try:
             ready = self._start_engine()
             self.input_socket.send_multipart(self.encoder.encode(ready))
-            logger.info(describe_ready(ready, time.monotonic() - start))
+            logger.info(describe_ready(ready, time.monotonic() - start, self.engine_core.scheduler))
             self._run_busy_loop()
         except ShutdownRequested as exc:
             logger.info("engine core shutting down on %s", exc)
@@ -313,12 +314,18 @@ def _peek_request_id(frames: list[memoryview], max_frame_bytes: int) -> str | No
     return None
 
 
-def describe_ready(ready: EngineReady, start_s: float) -> str:
-    """The engine's start-up summary: its KV pool in tokens and what that holds at full length."""
-    num_tokens = ready.num_gpu_blocks * ready.block_size
+def describe_ready(ready: EngineReady, start_s: float, scheduler: Scheduler) -> str:
+    """The engine's start-up summary: its KV pool and how many requests it holds at full length
+    (with KV cache groups, a token takes a block slot in every group it still needs)."""
+    groups = scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups
+    blocks_per_request = sum(max_blocks_per_request(g, scheduler.config) for g in groups)
+    num_full_length = (ready.num_gpu_blocks - 1) // blocks_per_request
+    pool = f"{ready.num_gpu_blocks * ready.block_size} tokens"
+    if len(groups) > 1:
+        pool = f"{len(groups)} KV cache groups sharing blocks of {ready.block_size} tokens"
     return (
         f"engine core ready in {start_s:.1f} s: KV cache of {ready.num_gpu_blocks} blocks = "
-        f"{num_tokens} tokens, max_model_len {ready.max_model_len} (up to "
-        f"{num_tokens // ready.max_model_len} requests at full length at once), step budget "
-        f"{ready.max_num_batched_tokens} tokens, vocabulary {ready.vocab_size}"
+        f"{pool}, max_model_len {ready.max_model_len} (up to {num_full_length} requests at full "
+        f"length at once), step budget {ready.max_num_batched_tokens} tokens, vocabulary "
+        f"{ready.vocab_size}"
     )

@@ -3,7 +3,10 @@ frozen config of a model's groups."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from common.kv_cache_groups import group_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,24 @@ class KVCacheConfig:
     def full_attention(cls, block_size: int, max_model_len: int) -> KVCacheConfig:
         """One full-attention group: every model that is not hybrid."""
         return cls((FullAttentionSpec(block_size),), max_model_len)
+
+    @classmethod
+    def for_layers(
+        cls, layer_sliding_windows: Sequence[int | None], block_size: int, max_model_len: int
+    ) -> KVCacheConfig:
+        """The groups of a model whose layer i attends to `layer_sliding_windows[i]` tokens
+        (None: all; no layers: one full-attention group), as `group_layers` cuts them. A window
+        wider than max_model_len is clipped to it (it then frees nothing, as full attention)."""
+        if not layer_sliding_windows:
+            return cls.full_attention(block_size, max_model_len)
+        specs: list[KVCacheSpec] = []
+        for group in group_layers(layer_sliding_windows):
+            if group.sliding_window is None:
+                specs.append(FullAttentionSpec(block_size))
+            else:
+                window = min(group.sliding_window, max_model_len)
+                specs.append(SlidingWindowSpec(block_size, window))
+        return cls(tuple(specs), max_model_len)
 
     @property
     def block_size(self) -> int:

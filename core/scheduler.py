@@ -49,7 +49,7 @@ class Scheduler:
     in that step. `num_computed_tokens` is advanced when a step is scheduled.
 
     `kv_cache_config` gives the KV cache groups of a hybrid model (one full-attention group
-    otherwise). Workers get group 0's block ids only, until the wire carries every group's.
+    otherwise); the workers get every group's block ids.
     """
 
     def __init__(
@@ -278,7 +278,7 @@ class Scheduler:
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
-            block_ids=plan.req_to_new_blocks[request.request_id].get_block_ids()[0],
+            block_ids=list(plan.req_to_new_blocks[request.request_id].get_block_ids()),
             num_computed_tokens=request.num_computed_tokens,
         )
 
@@ -290,7 +290,7 @@ class Scheduler:
         return CachedRequestData(
             req_id=request.request_id,
             num_computed_tokens=request.num_computed_tokens,
-            new_block_ids=plan.req_to_new_blocks[request.request_id].get_block_ids()[0],
+            new_block_ids=_nonempty_groups(plan.req_to_new_blocks[request.request_id]),
             new_token_ids=request.all_token_ids[num_tokens_sent:],
             resumed_from_preemption=resumed,
         )
@@ -398,7 +398,7 @@ def _check_pool_holds_one_request(config: SchedulerConfig, kv_cache_config: KVCa
     ever preempt itself. A sliding-window group holds at most its window plus one step's
     tokens (the blocks before are freed as the request advances)."""
     num_blocks_needed = sum(
-        _max_blocks_per_request(spec, config) for spec in kv_cache_config.kv_cache_groups
+        max_blocks_per_request(spec, config) for spec in kv_cache_config.kv_cache_groups
     )
     if config.num_gpu_blocks - 1 < num_blocks_needed:
         raise ValueError(
@@ -409,12 +409,19 @@ def _check_pool_holds_one_request(config: SchedulerConfig, kv_cache_config: KVCa
         )
 
 
-def _max_blocks_per_request(spec: KVCacheSpec, config: SchedulerConfig) -> int:
+def max_blocks_per_request(spec: KVCacheSpec, config: SchedulerConfig) -> int:
+    """The most blocks one request of max_model_len tokens holds at once in a group of `spec`."""
     num_blocks_full = cdiv(config.max_model_len, config.block_size)
     if isinstance(spec, SlidingWindowSpec):
         num_tokens_in_reach = spec.sliding_window - 1 + config.max_num_batched_tokens
         return min(num_blocks_full, cdiv(num_tokens_in_reach, config.block_size) + 1)
     return num_blocks_full
+
+
+def _nonempty_groups(blocks: KVCacheBlocks) -> list[list[int]]:
+    """Each group's new block ids, or no list at all when no group has any (most decodes)."""
+    block_ids = blocks.get_block_ids()
+    return list(block_ids) if any(block_ids) else []
 
 
 def _queue_time_s(request: Request) -> float:

@@ -14,12 +14,13 @@ from proto.sampling_params import SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A request the workers have not seen: sent in full exactly once."""
+    """A request the workers have not seen: sent in full exactly once. `block_ids[g]` are its
+    blocks in KV cache group g (see common.kv_cache_groups; one group for most models)."""
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_computed_tokens: int
 
 
@@ -28,13 +29,14 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     `new_token_ids`: tokens appended to the request since the workers last saw it (the ones
     sampled last step), so every rank has the same token history without sampling itself.
-    `new_block_ids`: appended to the request's block list, or when `resumed_from_preemption`
-    the request's whole new block list (its old blocks were freed at preemption).
+    `new_block_ids[g]`: appended to the request's block list in KV cache group g, or when
+    `resumed_from_preemption` the group's whole new block list (its old blocks were freed at
+    preemption); empty (no list at all) when no group has new blocks, as in most decode steps.
     """
 
     req_id: str
     num_computed_tokens: int
-    new_block_ids: list[int] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
     new_token_ids: list[int] = msgspec.field(default_factory=list)
     resumed_from_preemption: bool = False
 
@@ -93,6 +95,10 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     block_size: int
     max_num_seqs: int
     eos_token_ids: list[int]
+    # Per layer, its attention window (None: full attention); empty: no layers to speak of
+    # (the null model), one full-attention group. The core groups the layers from this with
+    # common.kv_cache_groups.group_layers, as the worker does to lay out its cache.
+    layer_sliding_windows: list[int | None] = msgspec.field(default_factory=list)
 
 
 class InitKVCache(msgspec.Struct, array_like=True, gc=False):

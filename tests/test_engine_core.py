@@ -179,7 +179,7 @@ def test_a_folder_the_frontend_did_not_make_or_that_holds_more_is_kept(tmp_path)
 
 def test_null_worker_samples_only_when_the_prompt_is_done_and_drops_finished_requests():
     worker = NullWorker(model="null", block_size=BLOCK_SIZE)
-    new_req = NewRequestData("a", [1, 2, 3, 4, 5, 6], SamplingParams(logprobs=2), [1, 2], 0)
+    new_req = NewRequestData("a", [1, 2, 3, 4, 5, 6], SamplingParams(logprobs=2), [[1, 2]], 0)
     first = worker.execute_model(
         SchedulerOutput([new_req], [], {"a": 4}, total_num_scheduled_tokens=4)
     )

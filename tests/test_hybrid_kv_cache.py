@@ -242,17 +242,18 @@ def test_usage_counts_every_group():
     assert manager.usage == 0.5
 
 
-def test_a_hybrid_scheduler_sends_group_0_ids_and_frees_the_window_as_it_decodes():
+def test_a_hybrid_scheduler_sends_every_groups_ids_and_frees_the_window_as_it_decodes():
     """Window 4: with n tokens computed, the first (n - 3) // 4 blocks are dead."""
     config = KVCacheConfig((FullAttentionSpec(BLOCK), SlidingWindowSpec(BLOCK, 4)), 64)
     scheduler = make_scheduler(kv_cache_config=config, max_model_len=64)
     scheduler.add_request(make_request("a", list(range(8)), max_tokens=6, block_size=BLOCK))
     output, _ = run_step(scheduler)
-    assert output.scheduled_new_reqs[0].block_ids == [1, 2]
+    assert output.scheduled_new_reqs[0].block_ids == [[1, 2], [3, 4]]
     assert scheduler.kv_cache_manager.get_block_ids("a") == ([1, 2], [3, 4])
     expected = [
-        # (num_computed_tokens, new block ids on the wire (group 0), block ids held)
-        (8, [5], ([1, 2, 5], [0, 4, 6])),
+        # (num_computed_tokens, new block ids on the wire (per group), block ids held); the
+        # window's freed blocks are not sent: the workers never read them again.
+        (8, [[5], [6]], ([1, 2, 5], [0, 4, 6])),
         (9, [], ([1, 2, 5], [0, 4, 6])),
         (10, [], ([1, 2, 5], [0, 4, 6])),
         (11, [], ([1, 2, 5], [0, 0, 6])),
@@ -264,7 +265,7 @@ def test_a_hybrid_scheduler_sends_group_0_ids_and_frees_the_window_as_it_decodes
         assert scheduler.kv_cache_manager.get_block_ids("a") == held_block_ids
         scheduler.kv_cache_manager.check_integrity()
     output, outputs = run_step(scheduler)  # the sixth token: max_tokens reached, all freed
-    assert output.scheduled_cached_reqs[0].new_block_ids == [7]
+    assert output.scheduled_cached_reqs[0].new_block_ids == [[7], [8]]
     assert outputs.outputs[0].finish_reason is not None
     assert scheduler.kv_cache_manager.get_block_ids("a") == ([], [])
     assert scheduler.kv_cache_manager.usage == 0.0

@@ -24,7 +24,7 @@ def make_state(
         req_id=req_id,
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(**params),
-        block_ids=block_ids,
+        block_ids=[block_ids],  # one KV cache group
         num_computed_tokens=0,
         generator=generator,
     )
@@ -73,8 +73,8 @@ def test_condense_moves_last_rows_into_holes_with_all_state():
     assert batch.req_id_to_row == {"d": 0, "c": 1}
     assert batch.token_ids[1, :3].tolist() == [3, 3, 3]
     assert batch.num_tokens[:2].tolist() == [1, 3]
-    assert batch.block_table.block_table_np[1, :2].tolist() == [3, 4]
-    assert batch.block_table.num_blocks_per_row.tolist() == [1, 2, 0, 0]
+    assert batch.block_table[0].block_table_np[1, :2].tolist() == [3, 4]
+    assert batch.block_table[0].num_blocks_per_row.tolist() == [1, 2, 0, 0]
     assert batch.temperature[1] == pytest.approx(0.5) and batch.top_k[1] == 7
     assert batch.top_p[0] == pytest.approx(0.5) and batch.min_p[0] == pytest.approx(0.1)
     assert set(batch.generators) == {1}

@@ -121,7 +121,7 @@ def step(new=(), cached=(), num_scheduled=None, finished=()):
 
 def new_req(req_id, prompt, block_ids, num_computed=0, **params):
     params = {"temperature": 0.0, **params}
-    return NewRequestData(req_id, prompt, SamplingParams(**params), block_ids, num_computed)
+    return NewRequestData(req_id, prompt, SamplingParams(**params), [block_ids], num_computed)
 
 
 def test_mid_prefill_requests_get_empty_samples_and_logprobs_only_when_asked(model):

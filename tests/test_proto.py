@@ -44,8 +44,8 @@ def sample_messages():
         ),
         UtilityResponse(7, stats=SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5)),
         SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData("a", [1, 2], params, [1, 2], 0)],
-            scheduled_cached_reqs=[CachedRequestData("b", 5, [3], [9], True)],
+            scheduled_new_reqs=[NewRequestData("a", [1, 2], params, [[1, 2], [0, 3]], 0)],
+            scheduled_cached_reqs=[CachedRequestData("b", 5, [[3], []], [9], True)],
             num_scheduled_tokens={"a": 2, "b": 1},
             total_num_scheduled_tokens=3,
             finished_req_ids=["c"],

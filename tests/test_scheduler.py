@@ -80,7 +80,7 @@ def test_waiting_request_uses_prefix_hits():
     new_req = output.scheduled_new_reqs[0]
     assert new_req.num_computed_tokens == 16
     assert output.num_scheduled_tokens == {"b": 2}
-    assert len(new_req.block_ids) == 5
+    assert len(new_req.block_ids[0]) == 5
     stats = scheduler.get_stats()
     assert stats.prefix_cache_hits == 16
 
@@ -90,14 +90,14 @@ def test_scheduler_output_is_a_diff():
     scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=10))
     first, _ = run_step(scheduler, lambda r: 9)
     assert [r.req_id for r in first.scheduled_new_reqs] == ["a"]
-    assert first.scheduled_new_reqs[0].block_ids == [1]
+    assert first.scheduled_new_reqs[0].block_ids == [[1]]
     second, _ = run_step(scheduler, lambda r: 9)
     assert second.scheduled_new_reqs == []
     cached = second.scheduled_cached_reqs[0]
     assert (cached.req_id, cached.num_computed_tokens, cached.new_token_ids) == ("a", 3, [9])
     assert cached.new_block_ids == [] and not cached.resumed_from_preemption
     third, _ = run_step(scheduler, lambda r: 9)
-    assert third.scheduled_cached_reqs[0].new_block_ids == [2]  # 5th token needs block 2
+    assert third.scheduled_cached_reqs[0].new_block_ids == [[2]]  # 5th token needs block 2
 
 
 def test_preemption_by_recompute_then_resume_with_unchanged_outputs():
@@ -151,7 +151,7 @@ def test_resumed_request_is_sent_with_its_whole_block_list():
     assert resumed.num_computed_tokens == 4
     num_tokens = resumed.num_computed_tokens + output.num_scheduled_tokens["b"]
     assert num_tokens == 7 + 2  # the whole history (prompt + 2 generated) is recomputed
-    assert len(resumed.new_block_ids) == -(-num_tokens // 4)
+    assert len(resumed.new_block_ids[0]) == -(-num_tokens // 4)
 
 
 def test_priority_policy_schedules_and_preempts_by_priority():

@@ -29,6 +29,7 @@ class TinyConfig:
     max_position_embeddings: int = 64
     eos_token_ids: tuple[int, ...] = (3, 7)
     vocab_size: int = VOCAB
+    layer_sliding_windows: tuple[None, ...] = (None, None)
 
 
 @pytest.fixture

@@ -90,3 +90,47 @@ class BlockTable:
                 self._block_table_cpu[:num_reqs], non_blocking=True
             )
         return self._block_table_device[:num_reqs]
+
+
+class MultiGroupBlockTable:
+    """One `BlockTable` per KV cache group (see common.kv_cache_groups); a request has the same
+    row in every group. Block ids come per group: `block_ids[g]` for group g."""
+
+    def __init__(
+        self,
+        num_groups: int,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.block_tables = [
+            BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
+            for _ in range(num_groups)
+        ]
+
+    def __getitem__(self, group: int) -> BlockTable:
+        return self.block_tables[group]
+
+    def __len__(self) -> int:
+        return len(self.block_tables)
+
+    def add_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
+        """Replaces the row's blocks in every group (a new or resumed request)."""
+        for table, group_block_ids in zip(self.block_tables, block_ids, strict=True):
+            table.add_row(group_block_ids, row)
+
+    def append_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
+        """Appends each group's new blocks; no lists at all: nothing new in any group."""
+        if not block_ids:
+            return
+        for table, group_block_ids in zip(self.block_tables, block_ids, strict=True):
+            table.append_row(group_block_ids, row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        for table in self.block_tables:
+            table.move_row(src, dst)
+
+    def clear_row(self, row: int) -> None:
+        for table in self.block_tables:
+            table.clear_row(row)

@@ -10,7 +10,7 @@ import torch
 
 from common.math_utils import cdiv
 from proto import SamplingParams
-from worker.block_table import BlockTable
+from worker.block_table import MultiGroupBlockTable
 from worker.sampler import RowPenalties, SamplingMetadata
 
 
@@ -26,7 +26,7 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
@@ -52,13 +52,16 @@ class InputBatch:
         block_size: int,
         device: torch.device,
         eos_token_ids: Sequence[int] = (),
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         max_num_blocks_per_req = cdiv(max_model_len, block_size)
-        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
+        self.block_table = MultiGroupBlockTable(
+            num_kv_cache_groups, max_num_reqs, max_num_blocks_per_req, block_size, device
+        )
 
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from common.kv_cache_groups import KVCacheGroup
 from common.math_utils import cdiv
 from kernels import AttentionMetadata
 from proto import (
@@ -27,6 +28,11 @@ from worker.structured_outputs import StructuredOutputManager
 PROMPT_LOGPROBS_ROWS = 256
 
 
+# One step's attention metadata: one for every layer, or (a model with several KV cache groups)
+# one per layer, each its group's (block table and slot mapping; the rest is shared).
+StepMetadata = AttentionMetadata | list[AttentionMetadata]
+
+
 class CausalLM(Protocol):
     """What the runner needs from a model. `forward` writes K/V through `metadata.slot_mapping`."""
 
@@ -35,7 +41,7 @@ class CausalLM(Protocol):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: StepMetadata,
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
@@ -52,7 +58,7 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: StepMetadata
     sample_rows: np.ndarray
     logits_indices: torch.Tensor
     num_scheduled: np.ndarray  # int64 [B]: tokens of each row this step
@@ -80,6 +86,7 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         structured_outputs: StructuredOutputManager | None = None,
+        kv_cache_groups: Sequence[KVCacheGroup] = (),
     ) -> None:
         self.model = model
         self.structured_outputs = structured_outputs
@@ -89,8 +96,15 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
+        # Layer i reads the block table of group layer_to_group[i] (no groups: one for all).
+        self.layer_to_group = _layer_to_group(kv_cache_groups)
         self.input_batch = InputBatch(
-            max_num_reqs, max_model_len, block_size, device, eos_token_ids=eos_token_ids
+            max_num_reqs,
+            max_model_len,
+            block_size,
+            device,
+            eos_token_ids=eos_token_ids,
+            num_kv_cache_groups=max(len(kv_cache_groups), 1),
         )
         self.sampler = Sampler(device, seed=seed)
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
@@ -181,7 +195,7 @@ class ModelRunner:
             req_id=new_req.req_id,
             prompt_token_ids=list(new_req.prompt_token_ids),
             sampling_params=new_req.sampling_params,
-            block_ids=list(new_req.block_ids),
+            block_ids=[list(group_block_ids) for group_block_ids in new_req.block_ids],
             num_computed_tokens=new_req.num_computed_tokens,
             generator=self._make_generator(new_req.sampling_params.seed),
         )
@@ -203,9 +217,12 @@ class ModelRunner:
         if self.structured_outputs is not None:
             self.structured_outputs.accept_tokens(cached_req.req_id, cached_req.new_token_ids)
         if cached_req.resumed_from_preemption:
-            state.block_ids = list(cached_req.new_block_ids)
-        else:
-            state.block_ids.extend(cached_req.new_block_ids)
+            state.block_ids = [
+                list(group_block_ids) for group_block_ids in cached_req.new_block_ids
+            ]
+        elif cached_req.new_block_ids:  # no lists at all: no group has new blocks
+            for held, new in zip(state.block_ids, cached_req.new_block_ids, strict=True):
+                held.extend(new)
 
         batch = self.input_batch
         row = batch.req_id_to_row.get(cached_req.req_id)
@@ -231,18 +248,23 @@ class ModelRunner:
         req_rows, positions = self._token_rows_and_positions(num_scheduled, cu_num_scheduled)
         seq_lens = batch.num_computed_tokens[:num_reqs] + num_scheduled
         self._check_scheduled_tokens_exist(seq_lens, batch.num_tokens[:num_reqs])
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device(
-                batch.block_table.compute_slot_mapping(req_rows, positions)
-            ),
-            block_table=batch.block_table.commit(num_reqs),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            query_start_loc=self._to_device(
-                np.concatenate([[0], cu_num_scheduled]).astype(np.int32)
-            ),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
+        seq_lens_device = self._to_device(seq_lens.astype(np.int32))
+        query_start_loc = self._to_device(np.concatenate([[0], cu_num_scheduled]).astype(np.int32))
+        group_metadata = [
+            AttentionMetadata(
+                slot_mapping=self._to_device(table.compute_slot_mapping(req_rows, positions)),
+                block_table=table.commit(num_reqs),
+                seq_lens=seq_lens_device,
+                query_start_loc=query_start_loc,
+                max_query_len=int(num_scheduled.max()),
+                max_seq_len=int(seq_lens.max()),
+            )
+            for table in batch.block_table.block_tables
+        ]
+        if len(group_metadata) == 1:
+            metadata: StepMetadata = group_metadata[0]
+        else:
+            metadata = [group_metadata[group] for group in self.layer_to_group]
         sample_rows = np.flatnonzero(
             (seq_lens == batch.num_tokens[:num_reqs]) & (num_scheduled > 0)
         )
@@ -395,3 +417,12 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+
+def _layer_to_group(kv_cache_groups: Sequence[KVCacheGroup]) -> list[int]:
+    """Per layer, the index of its KV cache group; empty without groups."""
+    layer_to_group: dict[int, int] = {}
+    for group_index, group in enumerate(kv_cache_groups):
+        for layer_index in group.layer_indices:
+            layer_to_group[layer_index] = group_index
+    return [layer_to_group[layer] for layer in range(len(layer_to_group))]

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from common.dtypes import DTYPE_NAMES, torch_dtype
+from common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
 from common.math_utils import cdiv
 from kernels import cpu_kernel_loader
 from kernels.warmup import warmup
@@ -136,11 +137,24 @@ class Worker:
         return max(1, self.model_config.num_key_value_heads // self.world_size)
 
     @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        """Per layer, its attention window (None: full attention)."""
+        self._require_loaded()
+        return self.model_config.layer_sliding_windows
+
+    @property
+    def kv_cache_groups(self) -> list[KVCacheGroup]:
+        """How the layers share KV blocks (one group of every layer unless the model mixes
+        attention windows); the core derives the same groups from `layer_sliding_windows`."""
+        return group_layers(self.layer_sliding_windows)
+
+    @property
     def bytes_per_block(self) -> int:
-        """KV bytes of one block summed over layers: 2 (K, V) * block_size * heads * head_dim."""
+        """KV bytes of one block: 2 (K, V) * block_size * heads * head_dim for each of the
+        layers a block holds (every layer, or a KV cache group's)."""
         config = self.model_config
         elements = 2 * self.block_size * self.num_kv_heads * config.head_dim
-        return elements * config.num_hidden_layers * self.dtype.itemsize
+        return elements * layers_per_group(self.kv_cache_groups) * self.dtype.itemsize
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit: measured on CUDA after a dummy step, budgeted on CPU."""
@@ -175,15 +189,24 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """Layer i's cache [2, num_blocks, block_size, num_kv_heads, head_dim]. Layers at the
+        same position of different KV cache groups share one tensor: their groups own
+        different blocks of it."""
         config = self.model_config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, config.head_dim)
         # On CPU, untouched pages of an empty tensor cost no memory; attention reads only
         # slots it wrote, so garbage in unused slots is never seen.
         allocate = torch.zeros if self.device.type == "cuda" else torch.empty
-        return [
+        groups = self.kv_cache_groups
+        slot_tensors = [
             allocate(shape, dtype=self.dtype, device=self.device)
-            for _ in range(config.num_hidden_layers)
+            for _ in range(layers_per_group(groups))
         ]
+        layer_caches: list[torch.Tensor | None] = [None] * config.num_hidden_layers
+        for group in groups:
+            for position, layer_index in enumerate(group.layer_indices):
+                layer_caches[layer_index] = slot_tensors[position]
+        return layer_caches  # type: ignore[return-value]
 
     def _profile_peak_step(self) -> None:
         """A forward of max_num_batched_tokens into a scratch KV cache just big enough."""
@@ -219,6 +242,7 @@ class Worker:
             structured_outputs=StructuredOutputManager(
                 self.model_path, self.vocab_size, self.eos_token_ids
             ),
+            kv_cache_groups=self.kv_cache_groups,
         )
 
     def _resolve_max_model_len(self) -> int:

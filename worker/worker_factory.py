@@ -53,6 +53,7 @@ def worker_ready(worker, rank: int, num_gpu_blocks: int | None = None) -> Worker
         block_size=worker.block_size,
         max_num_seqs=worker.max_num_seqs,
         eos_token_ids=list(worker.eos_token_ids),
+        layer_sliding_windows=list(getattr(worker, "layer_sliding_windows", [])),
     )
 
 
@@ -65,10 +66,18 @@ def describe_worker(worker, ready: WorkerReady, load_s: float) -> str:
     device = worker.device
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     kv_bytes = ready.num_gpu_blocks * worker.bytes_per_block
-    num_tokens = ready.num_gpu_blocks * ready.block_size
+    groups = worker.kv_cache_groups
+    if len(groups) == 1:
+        blocks = f"{ready.num_gpu_blocks * ready.block_size} tokens"
+    else:  # a token takes a block slot in every group: the pool holds no fixed token count
+        windows = sorted({g.sliding_window for g in groups if g.sliding_window is not None})
+        blocks = (
+            f"{len(groups[0].layer_indices)} layers each, shared by {len(groups)} KV cache groups "
+            f"(sliding windows {windows} and full attention)"
+        )
     return (
         f"worker rank {ready.rank}: {worker.model_path} ({worker.model_config.architecture}) on "
         f"{device}, {str(worker.dtype).removeprefix('torch.')}{threads}, loaded in {load_s:.1f} s; "
         f"room for a KV cache of {kv_bytes / 2**30:.2f} GiB = {ready.num_gpu_blocks} blocks of "
-        f"{ready.block_size} = {num_tokens} tokens"
+        f"{ready.block_size} = {blocks}"
     )
