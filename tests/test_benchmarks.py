@@ -597,3 +597,33 @@ def test_every_script_runs_as_a_file_and_as_a_module(name, tmp_path):
         result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, f"{' '.join(argv[1:])}: {result.stderr[-2000:]}"
         assert "usage:" in result.stdout
+
+
+def test_kv_memory_benchmark_groups_gemma3_layers_and_frees_out_of_window_blocks():
+    import argparse
+
+    from scripts.bench_kv_memory import ModelShape, measure
+
+    shape = ModelShape(
+        num_layers=18, num_kv_heads=1, head_dim=256, sliding_window=512, global_layer_every=6
+    )
+    assert (shape.num_global_layers, shape.layers_per_group) == (3, 3)
+    config = shape.kv_cache_config(hybrid=True, max_model_len=8193)
+    assert [type(g).__name__ for g in config.kv_cache_groups] == (
+        ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 5
+    )
+    args = argparse.Namespace(seed=0, step_tokens=1024, dtype_bytes=4, kv_budget_gib=1.0)
+    hybrid = measure(shape, 8192, True, args)
+    full = measure(shape, 8192, False, args)
+    # 8192 prompt tokens + 1 decoded = 513 blocks of 16. All-full: 6 groups x 513. Hybrid: the
+    # global group's 513, and per window group the blocks holding the last 511 computed tokens
+    # and the decoded one: 513 - (8192 - 511) // 16 = 33.
+    assert full["blocks_per_request"] == 6 * 513
+    assert hybrid["blocks_per_request"] == 513 + 5 * 33
+    budget_blocks = 2**30 // (3 * 16 * 2 * 256 * 4)  # 3 layers' K and V per block
+    assert full["max_concurrent_requests"] == budget_blocks // (6 * 513) == 3
+    # The last request admitted also needs its peak: the prompt's last 1024-token step, when a
+    # window group holds 512 - (7168 - 511) // 16 = 96 blocks.
+    peak = 512 + 5 * 96
+    expected = (budget_blocks - peak) // hybrid["blocks_per_request"] + 1
+    assert hybrid["max_concurrent_requests"] == expected == 15

@@ -1,0 +1,211 @@
+"""KV cache memory of Gemma 3 270M: hybrid groups against every layer at full attention.
+
+Gemma 3 puts a 512-token sliding window on five of every six layers. With hybrid KV cache
+groups (core/kv_cache_coordinator.py) those layers keep only the blocks inside their window;
+with all-full groups every layer keeps the whole context. Both are measured with the core's own
+`KVCacheManager`, driven the way the scheduler drives it: a request's prompt is computed in steps
+of `--step-tokens` (`allocate_slots`, then its computed count advances, so blocks that leave the
+window are freed as it goes), then it decodes one token.
+
+Per context length (2k, 8k, 32k): the KV bytes one request holds, and the largest number of
+such requests a KV budget of `--kv-budget-gib` holds at once (admitted one after another until
+`allocate_slots` refuses). The ratio hybrid / all-full is printed and written with the figures
+to benchmarks/results/kv_memory.{json,md}.
+
+Layout as in vLLM: layers are grouped in runs of the smallest count of any attention type (3
+global layers here), so a block holds the KV of 3 layers, the global layers form one
+full-attention group and the 15 window layers five sliding-window groups. All-full is the same
+6 groups, all with full attention.
+
+    python -m scripts.bench_kv_memory [--kv-budget-gib 1] [--dtype-bytes 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.gguf_file import GGUFFile
+from common.math_utils import cdiv
+from common.model_files import gemma3_270m_model_path
+from core.kv_cache_manager import KVCacheManager
+from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from core.request import Request
+from proto import SamplingParams
+from scripts.bench_common import RESULTS_DIR, machine_info, markdown_table, write_results
+
+BLOCK_SIZE = 16
+CONTEXT_LENGTHS = (2048, 8192, 32768)
+# Gemma 3 makes every 6th layer global; the GGUF does not store the pattern (llama.cpp fixes it
+# for the architecture too).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What sizes a model's KV cache: its layers' attention types and one token's KV per layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int
+    global_layer_every: int
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> ModelShape:
+        gguf = GGUFFile(path)
+        arch = gguf.field("general.architecture")
+        return cls(
+            num_layers=gguf.field(f"{arch}.block_count"),
+            num_kv_heads=gguf.field(f"{arch}.attention.head_count_kv"),
+            head_dim=gguf.field(f"{arch}.attention.key_length"),
+            sliding_window=gguf.field(f"{arch}.attention.sliding_window"),
+            global_layer_every=GEMMA3_SLIDING_WINDOW_PATTERN,
+        )
+
+    @property
+    def num_global_layers(self) -> int:
+        return self.num_layers // self.global_layer_every
+
+    @property
+    def layers_per_group(self) -> int:
+        return math.gcd(self.num_global_layers, self.num_layers - self.num_global_layers)
+
+    def bytes_per_block(self, dtype_bytes: int) -> int:
+        """K and V of `layers_per_group` layers for BLOCK_SIZE tokens."""
+        per_token_layer = 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.layers_per_group * BLOCK_SIZE * per_token_layer
+
+    def kv_cache_config(self, hybrid: bool, max_model_len: int) -> KVCacheConfig:
+        num_global_groups = self.num_global_layers // self.layers_per_group
+        num_window_groups = (self.num_layers - self.num_global_layers) // self.layers_per_group
+        window = (
+            SlidingWindowSpec(BLOCK_SIZE, min(self.sliding_window, max_model_len))
+            if hybrid
+            else FullAttentionSpec(BLOCK_SIZE)
+        )
+        groups = (FullAttentionSpec(BLOCK_SIZE),) * num_global_groups + (window,) * (
+            num_window_groups
+        )
+        return KVCacheConfig(groups, max_model_len)
+
+
+def make_manager(shape: ModelShape, hybrid: bool, context: int, num_blocks: int) -> KVCacheManager:
+    max_model_len = context + 1
+    config = shape.kv_cache_config(hybrid, max_model_len)
+    # No prefix caching: each request's memory is its own.
+    return KVCacheManager(num_blocks, BLOCK_SIZE, max_model_len, False, config)
+
+
+def run_request(
+    manager: KVCacheManager, request_id: str, context: int, step_tokens: int, rng: random.Random
+) -> bool:
+    """Computes a `context`-token prompt in steps and decodes one token; False when the pool
+    refuses a step (the request is then freed)."""
+    prompt = [rng.randrange(1, 32000) for _ in range(context)]
+    request = Request(request_id, prompt, SamplingParams(max_tokens=1), block_size=BLOCK_SIZE)
+    while request.num_computed_tokens < context + 1:
+        num_new_tokens = min(step_tokens, context + 1 - request.num_computed_tokens)
+        if manager.allocate_slots(request, num_new_tokens) is None:
+            manager.free(request)
+            return False
+        request.num_computed_tokens += num_new_tokens
+    return True
+
+
+def held_blocks(manager: KVCacheManager, request_id: str) -> int:
+    return sum(
+        1 for group in manager.get_blocks(request_id).blocks for block in group if not block.is_null
+    )
+
+
+def measure(
+    shape: ModelShape, context: int, hybrid: bool, args: argparse.Namespace
+) -> dict[str, float]:
+    rng = random.Random(args.seed)
+    num_groups = shape.num_layers // shape.layers_per_group
+    roomy = make_manager(shape, hybrid, context, num_groups * cdiv(context + 1, BLOCK_SIZE) + 2)
+    assert run_request(roomy, "one", context, args.step_tokens, rng)
+    bytes_per_block = shape.bytes_per_block(args.dtype_bytes)
+    num_blocks = held_blocks(roomy, "one")
+    budget_blocks = int(args.kv_budget_gib * GiB) // bytes_per_block
+    pool = make_manager(shape, hybrid, context, budget_blocks + 1)  # + the null block
+    num_admitted = 0
+    while run_request(pool, f"r{num_admitted}", context, args.step_tokens, rng):
+        num_admitted += 1
+    return {
+        "blocks_per_request": num_blocks,
+        "kv_bytes_per_request": num_blocks * bytes_per_block,
+        "max_concurrent_requests": num_admitted,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv-budget-gib", type=float, default=1.0)
+    parser.add_argument("--dtype-bytes", type=int, default=4, help="4: float32 KV, 2: bf16")
+    parser.add_argument("--step-tokens", type=int, default=1024, help="prompt tokens per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    model_path = gemma3_270m_model_path()
+    shape = ModelShape.from_gguf(model_path)
+    rows, results = [], []
+    for context in CONTEXT_LENGTHS:
+        hybrid = measure(shape, context, True, args)
+        full = measure(shape, context, False, args)
+        memory_ratio = full["kv_bytes_per_request"] / hybrid["kv_bytes_per_request"]
+        results.append({"context": context, "hybrid": hybrid, "all_full": full})
+        rows.append(
+            [
+                context,
+                f"{hybrid['kv_bytes_per_request'] / 2**20:.1f}",
+                f"{full['kv_bytes_per_request'] / 2**20:.1f}",
+                f"{memory_ratio:.2f}x",
+                hybrid["max_concurrent_requests"],
+                full["max_concurrent_requests"],
+            ]
+        )
+        print(
+            f"context {context}: KV per request {hybrid['kv_bytes_per_request'] / 2**20:.1f} MiB "
+            f"hybrid vs {full['kv_bytes_per_request'] / 2**20:.1f} MiB all-full "
+            f"({memory_ratio:.2f}x less); in {args.kv_budget_gib:g} GiB: "
+            f"{hybrid['max_concurrent_requests']} vs {full['max_concurrent_requests']} requests"
+        )
+    header = [
+        "context (tokens)",
+        "hybrid MiB/request",
+        "all-full MiB/request",
+        "all-full / hybrid",
+        f"hybrid requests in {args.kv_budget_gib:g} GiB",
+        f"all-full requests in {args.kv_budget_gib:g} GiB",
+    ]
+    markdown = (
+        f"### KV cache memory: Gemma 3 270M ({shape.num_layers} layers, "
+        f"{shape.num_layers - shape.num_global_layers} with a {shape.sliding_window}-token "
+        f"window), {args.dtype_bytes}-byte KV, blocks of {BLOCK_SIZE}, prompt steps of "
+        f"{args.step_tokens}\n\n" + markdown_table(header, rows)
+    )
+    result = {
+        "model": str(model_path.name),
+        "shape": dataclasses.asdict(shape),
+        "kv_budget_gib": args.kv_budget_gib,
+        "dtype_bytes": args.dtype_bytes,
+        "step_tokens": args.step_tokens,
+        "results": results,
+        "machine": machine_info(),
+    }
+    print(write_results(result, markdown, args.output_dir, "kv_memory"))
+
+
+if __name__ == "__main__":
+    main()
