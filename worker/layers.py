@@ -243,6 +243,13 @@ class GeluTanhAndMul(nn.Module):
         return F.gelu(gate, approximate="tanh") * up
 
 
+# A model config's `hidden_act` -> the gated MLP activation that computes it.
+ACTIVATION_AND_MUL: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+}
+
+
 class ColumnParallelLinear(PackableLinear):
     """y = x W^T + b with W's output rows split over ranks: rank r holds rows [r*n, (r+1)*n)."""
 

@@ -7,9 +7,10 @@ dtype, queries scaled by query_pre_attn_scalar ** -0.5, optional final logit sof
 two kinds of layers: sliding-window layers (attend to the last `sliding_window` positions, RoPE
 base `rope_local_theta`) and global layers (full attention, `rope_theta` and `rope_scaling`).
 
-Every layer keeps the full KV cache; a sliding layer's window is applied as an attention mask
-(`kernels.write_kv_and_attend(..., sliding_window=)`). Parameter names follow transformers,
-with q/k/v and gate/up fused as in `worker.models.llama`.
+Attention and MLP are `worker.models.llama`'s, given Gemma's q/k norm class, query scale,
+activation and, on sliding layers, the window (`kernels.write_kv_and_attend(...,
+sliding_window=)` skips keys before it; with KV cache groups, the blocks before the window are
+freed). Parameter names follow transformers, with q/k/v and gate/up fused as in Llama.
 """
 
 from __future__ import annotations
@@ -17,87 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import AttentionMetadata, write_kv_and_attend
+from kernels import AttentionMetadata
 from worker.layers import (
-    GeluTanhAndMul,
     GemmaRMSNorm,
-    MergedColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
     RotaryEmbedding,
-    RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rotary_qk,
     residual_dtype,
 )
 from worker.model_config import SLIDING_ATTENTION, ModelConfig
-from worker.models.llama import LlamaForCausalLM
-
-
-class Gemma3Attention(nn.Module):
-    """GQA self-attention of one layer (this rank's heads), windowed on sliding layers."""
-
-    def __init__(self, config: ModelConfig, layer: int, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            config.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=config.attention_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim,
-            config.hidden_size,
-            bias=config.attention_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.head_dim = config.head_dim
-        self.scale = config.query_pre_attn_scalar**-0.5
-        self.is_sliding = config.layer_types[layer] == SLIDING_ATTENTION
-        self.sliding_window = config.sliding_window if self.is_sliding else None
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        proj = self.qkv_proj
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [proj.q_size, proj.kv_size, proj.kv_size], dim=-1
-        )
-        q = self.q_norm(q.reshape(num_tokens, proj.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(num_tokens, proj.num_kv_heads, self.head_dim))
-        v = v.reshape(num_tokens, proj.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_qk(q, k, *cos_sin)
-        attn = write_kv_and_attend(q, k, v, kv_cache, metadata, self.scale, self.sliding_window)
-        return self.o_proj(attn.reshape(num_tokens, proj.q_size))
-
-
-class Gemma3MLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused in one column-parallel matmul."""
-
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], tp_rank=tp_rank, tp_size=tp_size
-        )
-        self.act_fn = GeluTanhAndMul()
-        self.down_proj = RowParallelLinear(
-            size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+from worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -107,10 +37,17 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.self_attn = Gemma3Attention(config, layer, tp_rank, tp_size)
+        is_sliding = config.layer_types[layer] == SLIDING_ATTENTION
+        self.self_attn = LlamaAttention(
+            config,
+            tp_rank,
+            tp_size,
+            sliding_window=config.sliding_window if is_sliding else None,
+            qk_norm_class=GemmaRMSNorm,
+        )
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.mlp = Gemma3MLP(config, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size)  # GeGLU: config.hidden_act
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
     def forward(
@@ -164,7 +101,8 @@ class Gemma3Model(nn.Module):
         cos_sin_global = self.rotary_emb(positions)
         cos_sin_local = self.rotary_emb_local(positions)
         for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
-            cos_sin = cos_sin_local if layer.self_attn.is_sliding else cos_sin_global
+            is_sliding = layer.self_attn.sliding_window is not None
+            cos_sin = cos_sin_local if is_sliding else cos_sin_global
             residual = layer(residual, cos_sin, kv_cache, layer_metadata)
         return self.norm(residual)
 

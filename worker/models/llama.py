@@ -19,13 +19,13 @@ from torch import nn
 
 from kernels import AttentionMetadata, write_kv_and_attend
 from worker.layers import (
+    ACTIVATION_AND_MUL,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
     apply_rotary_qk,
     residual_dtype,
@@ -34,9 +34,17 @@ from worker.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention of one layer; holds this rank's heads only."""
+    """GQA self-attention of one layer; holds this rank's heads only. Gemma 3 uses it too, with
+    its own q/k norm class and, on its sliding layers, a window (keys before it are skipped)."""
 
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_rank: int,
+        tp_size: int,
+        sliding_window: int | None = None,
+        qk_norm_class: type[nn.Module] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -55,12 +63,14 @@ class LlamaAttention(nn.Module):
             tp_size=tp_size,
         )
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = qk_norm_class(config.head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm_class(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        # Gemma scales queries by query_pre_attn_scalar ** -0.5, the others by head_dim's.
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -80,12 +90,13 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, *cos_sin)
-        attn = write_kv_and_attend(q, k, v, kv_cache, metadata, self.scale)
+        attn = write_kv_and_attend(q, k, v, kv_cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(attn.reshape(num_tokens, proj.q_size))
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused in one column-parallel matmul."""
+    """down(act(gate(x)) * up(x)), gate and up fused in one column-parallel matmul; act is
+    silu, or Gemma's tanh-approximated gelu (`config.hidden_act`)."""
 
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
@@ -93,7 +104,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], tp_rank=tp_rank, tp_size=tp_size
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = ACTIVATION_AND_MUL[config.hidden_act]()
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
         )
