@@ -4,6 +4,7 @@
   folder (`worker.reference_model`, shared with the benchmarks).
 - `build_tiny_model_folder(folder, variant)`: small random-weight HF folders, one per variant
   in TINY_VARIANTS, written with transformers' `save_pretrained` plus a byte-level tokenizer.
+- `hf_greedy`: transformers' greedy tokens with its own KV cache, the parity reference.
 - `make_kv_caches` / `build_paged_batch`: a KV cache and the `AttentionMetadata` of a varlen
   batch, with scattered (non-contiguous) block ids so paging is really exercised.
 
@@ -336,3 +337,18 @@ def _llama_cpp_rope_freqs(rope_parameters: dict, head_dim: int):
             )
             rope_factors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(rope_factors, dtype=np.float32)
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
+    output = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    generated = []
+    for _ in range(num_new_tokens):
+        next_token = int(output.logits[0, -1].argmax())
+        generated.append(next_token)
+        output = model(
+            input_ids=torch.tensor([[next_token]]),
+            past_key_values=output.past_key_values,
+            use_cache=True,
+        )
+    return generated

@@ -25,6 +25,7 @@ from kernels.attention_metadata import AttentionMetadata
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids
+from tests.model_fixtures import hf_greedy
 from worker.gguf_loader import (
     Q4_K_BLOCK_BYTES,
     Q4_K_TYPE_ID,
@@ -334,21 +335,6 @@ def hf_model(hf_folder):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(hf_folder), dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
-    output = model(input_ids=torch.tensor([prompt]), use_cache=True)
-    generated = []
-    for _ in range(num_new_tokens):
-        next_token = int(output.logits[0, -1].argmax())
-        generated.append(next_token)
-        output = model(
-            input_ids=torch.tensor([[next_token]]),
-            past_key_values=output.past_key_values,
-            use_cache=True,
-        )
-    return generated
 
 
 @pytest.fixture(scope="module")

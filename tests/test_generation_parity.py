@@ -15,6 +15,7 @@ from core.in_process_engine import GenerationOutput
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids
+from tests.model_fixtures import hf_greedy
 from worker.reference_model import converted_default_model_folder
 from worker.worker import Worker
 
@@ -60,21 +61,6 @@ def expected_token_ids(hf_folder, prompt_token_ids) -> list[list[int]]:
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_folder), dtype=torch.float32).eval()
     return [hf_greedy(model, ids, NUM_NEW_TOKENS) for ids in prompt_token_ids]
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
-    output = model(input_ids=torch.tensor([prompt]), use_cache=True)
-    generated = []
-    for _ in range(num_new_tokens):
-        next_token = int(output.logits[0, -1].argmax())
-        generated.append(next_token)
-        output = model(
-            input_ids=torch.tensor([[next_token]]),
-            past_key_values=output.past_key_values,
-            use_cache=True,
-        )
-    return generated
 
 
 @pytest.fixture(scope="module", autouse=True)
