@@ -27,11 +27,19 @@ class KVCacheGroup:
     layer_indices: tuple[int, ...]
 
 
-def group_layers(layer_sliding_windows: Sequence[int | None]) -> list[KVCacheGroup]:
+def group_layers(
+    layer_sliding_windows: Sequence[int | None], hybrid: bool = True
+) -> list[KVCacheGroup]:
     """The KV cache groups of a model whose layer i attends to `layer_sliding_windows[i]`
-    tokens (None: all of them). Full-attention groups come first, then windows by size."""
+    tokens (None: all of them). Full-attention groups come first, then windows by size.
+
+    `hybrid=False` (vLLM's `--disable-hybrid-kv-cache-manager`): one full-attention group of
+    every layer, whatever the windows; window layers then keep their whole context's KV and only
+    their attention masks it."""
     if not layer_sliding_windows:
         raise ValueError("a model needs at least one layer to have KV cache groups")
+    if not hybrid:
+        return [KVCacheGroup(None, tuple(range(len(layer_sliding_windows))))]
     window_to_layers: dict[int | None, list[int]] = {}
     for layer_index, window in enumerate(layer_sliding_windows):
         if window is not None and window < 1:

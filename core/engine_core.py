@@ -140,7 +140,10 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         policy=config.policy,
     )
     kv_cache_config = KVCacheConfig.for_layers(
-        readies[0].layer_sliding_windows, config.block_size, scheduler_config.max_model_len
+        readies[0].layer_sliding_windows,
+        config.block_size,
+        scheduler_config.max_model_len,
+        hybrid=not config.disable_hybrid_kv_cache,
     )
     executor.initialize_cache(num_gpu_blocks)
     ready = EngineReady(

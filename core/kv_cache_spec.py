@@ -75,15 +75,20 @@ class KVCacheConfig:
 
     @classmethod
     def for_layers(
-        cls, layer_sliding_windows: Sequence[int | None], block_size: int, max_model_len: int
+        cls,
+        layer_sliding_windows: Sequence[int | None],
+        block_size: int,
+        max_model_len: int,
+        hybrid: bool = True,
     ) -> KVCacheConfig:
         """The groups of a model whose layer i attends to `layer_sliding_windows[i]` tokens
-        (None: all; no layers: one full-attention group), as `group_layers` cuts them. A window
-        wider than max_model_len is clipped to it (it then frees nothing, as full attention)."""
+        (None: all; no layers: one full-attention group), as `group_layers` cuts them (one
+        full-attention group when not `hybrid`). A window wider than max_model_len is clipped to
+        it (it then frees nothing, as full attention)."""
         if not layer_sliding_windows:
             return cls.full_attention(block_size, max_model_len)
         specs: list[KVCacheSpec] = []
-        for group in group_layers(layer_sliding_windows):
+        for group in group_layers(layer_sliding_windows, hybrid):
             if group.sliding_window is None:
                 specs.append(FullAttentionSpec(block_size))
             else:

@@ -55,6 +55,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     shutdown_timeout_s: float = 5.0
     max_frame_bytes: int = 64 * 1024 * 1024
     enforce_eager: bool = False
+    disable_hybrid_kv_cache: bool = False
 
     def __post_init__(self) -> None:
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -171,6 +172,9 @@ FIELD_HELP = {
     "shutdown_timeout_s": "seconds a stop waits: for running requests to finish (core-serve), "
     "and for each process to exit cleanly before it is killed",
     "max_frame_bytes": "largest accepted request frame",
+    "disable_hybrid_kv_cache": (
+        "one KV cache group of every layer: sliding-window layers keep their whole context's KV"
+    ),
     "enforce_eager": (
         "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"
     ),

@@ -68,6 +68,7 @@ def test_vllm_named_flags_reach_the_engine_config():
     assert settings.log_stats_interval_s is None
     assert args.port == 9000
     assert parse_args(["--enable-prefix-caching"])[0].enable_prefix_caching is True
+    assert parse_args(["--disable-hybrid-kv-cache"])[0].disable_hybrid_kv_cache is True
 
 
 def test_served_model_name_defaults_to_the_model_argument():

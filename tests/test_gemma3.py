@@ -24,7 +24,7 @@ from kernels import cpu_backend, torch_reference, write_kv_and_attend
 from kernels.attention_metadata import AttentionMetadata
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
-from tests.engine_helpers import generate_token_ids
+from tests.engine_helpers import generate_token_ids, in_process_engine
 from tests.model_fixtures import hf_greedy
 from worker.gguf_loader import (
     Q4_K_BLOCK_BYTES,
@@ -456,3 +456,31 @@ def test_prefix_hits_and_preemption_through_the_window_groups_keep_transformers_
     )
     assert preempted.stats.num_preemptions >= 1
     assert [r.token_ids for r in preempted.results] == [expected, expected_shorter]
+
+
+@pytest.mark.slow
+def test_disabled_hybrid_kv_cache_keeps_every_layer_in_one_group_and_the_same_tokens(
+    worker, hf_model, hf_tokenizer, monkeypatch
+):
+    """`disable_hybrid_kv_cache`: one full-attention group of all 18 layers (a block holds
+    every layer, nothing is freed behind the window); the window layers still mask, so the
+    long prompt's tokens stay transformers'."""
+    long_ids = hf_tokenizer.encode(long_prompt_text())
+    expected = hf_greedy(hf_model, long_ids, NUM_NEW_TOKENS)
+    monkeypatch.setattr(worker, "disable_hybrid_kv_cache", True)
+    assert [len(g.layer_indices) for g in worker.kv_cache_groups] == [18]
+    config = EngineConfig(
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=512,
+        num_gpu_blocks_override=num_kv_blocks(worker, [long_ids]),
+        disable_hybrid_kv_cache=True,
+    )
+    engine = in_process_engine(config, worker)
+    kv_cache_config = engine.engine_core.scheduler.kv_cache_manager.kv_cache_config
+    assert [type(spec).__name__ for spec in kv_cache_config.kv_cache_groups] == [
+        "FullAttentionSpec"
+    ]
+    assert len(worker.kv_caches) == 18  # one cache tensor per layer of the one group
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    assert engine.generate([long_ids], params).results[0].token_ids == expected

@@ -27,6 +27,21 @@ def test_gemma3_layers_form_one_full_group_and_five_window_groups_of_three():
     assert layers_per_group(groups) == 3
 
 
+def test_disabled_hybrid_groups_are_one_full_attention_group_of_every_layer():
+    windows = [None if i % 6 == 5 else 512 for i in range(18)]
+    assert group_layers(windows, hybrid=False) == [KVCacheGroup(None, tuple(range(18)))]
+
+
+def test_the_core_config_follows_the_same_switch():
+    from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+
+    windows = [None if i % 6 == 5 else 512 for i in range(18)]
+    hybrid = KVCacheConfig.for_layers(windows, 16, 4096)
+    assert hybrid.kv_cache_groups == (FullAttentionSpec(16),) + (SlidingWindowSpec(16, 512),) * 5
+    disabled = KVCacheConfig.for_layers(windows, 16, 4096, hybrid=False)
+    assert disabled.kv_cache_groups == (FullAttentionSpec(16),)
+
+
 def test_group_size_is_the_gcd_of_the_layer_counts_and_windows_sort_by_size():
     windows = [4096, None, 1024, None, 4096, None, 1024, None]
     groups = group_layers(windows)

@@ -47,6 +47,7 @@ class NullWorker:
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         enforce_eager: bool = False,
+        disable_hybrid_kv_cache: bool = False,
     ) -> None:
         self.device = "cpu" if device == "auto" else device
         self.rank = rank

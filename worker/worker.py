@@ -57,6 +57,7 @@ class Worker:
         seed: int = 0,
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
+        disable_hybrid_kv_cache: bool = False,
     ) -> None:
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
@@ -83,6 +84,7 @@ class Worker:
         self.seed = seed
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.enforce_eager = enforce_eager
+        self.disable_hybrid_kv_cache = disable_hybrid_kv_cache
         self.model = None
         self.model_path: Path | None = None
         self.model_config = None
@@ -145,8 +147,9 @@ class Worker:
     @property
     def kv_cache_groups(self) -> list[KVCacheGroup]:
         """How the layers share KV blocks (one group of every layer unless the model mixes
-        attention windows); the core derives the same groups from `layer_sliding_windows`."""
-        return group_layers(self.layer_sliding_windows)
+        attention windows, and hybrid groups are not disabled); the core derives the same groups
+        from `layer_sliding_windows` and the same flag."""
+        return group_layers(self.layer_sliding_windows, hybrid=not self.disable_hybrid_kv_cache)
 
     @property
     def bytes_per_block(self) -> int:

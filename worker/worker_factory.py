@@ -34,6 +34,7 @@ def make_worker(config: EngineConfig, rank: int = 0, world_size: int = 1):
         gpu_memory_utilization=config.gpu_memory_utilization,
         seed=config.seed,
         enforce_eager=config.enforce_eager,
+        disable_hybrid_kv_cache=config.disable_hybrid_kv_cache,
         **extra_kwargs,
     )
 
