@@ -17,7 +17,16 @@ global layers here), so a block holds the KV of 3 layers, the global layers form
 full-attention group and the 15 window layers five sliding-window groups. All-full is the same
 6 groups, all with full attention.
 
-    python -m scripts.bench_kv_memory [--kv-budget-gib 1] [--dtype-bytes 4]
+Then offline throughput at a fixed KV budget with long prompts: the real engine (`LLM`, default
+dtype and threads) generates the same greedy, ignore_eos workload (`--num-prompts` prompts of
+`--prompt-tokens` tokens, `--max-tokens` each) twice in one run, with hybrid groups and with
+`disable_hybrid_kv_cache=True` (one full-attention group of every layer, which vLLM calls
+`--disable-hybrid-kv-cache-manager`; attention masks the window either way, so the tokens are
+the same). Both get the same KV bytes (`CORE_ENGINE_KV_CACHE_MEMORY_BYTES`): what
+`budget_requests` all-full requests hold at full length. What differs is how many requests those
+bytes let run at once.
+
+    python -m scripts.bench_kv_memory [--kv-budget-gib 1] [--dtype-bytes 4] [--quick]
 """
 
 from __future__ import annotations
@@ -25,8 +34,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +51,16 @@ from core.kv_cache_manager import KVCacheManager
 from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from core.request import Request
 from proto import SamplingParams
-from scripts.bench_common import RESULTS_DIR, machine_info, markdown_table, write_results
+from scripts.bench_common import (
+    RESULTS_DIR,
+    GenerationWorkload,
+    exact_length_prompt,
+    machine_info,
+    markdown_table,
+    result_name,
+    write_results,
+)
+from worker.memory_profiler import KV_CACHE_MEMORY_BYTES_ENV
 
 BLOCK_SIZE = 16
 CONTEXT_LENGTHS = (2048, 8192, 32768)
@@ -131,22 +151,155 @@ def held_blocks(manager: KVCacheManager, request_id: str) -> int:
 def measure(
     shape: ModelShape, context: int, hybrid: bool, args: argparse.Namespace
 ) -> dict[str, float]:
-    rng = random.Random(args.seed)
-    num_groups = shape.num_layers // shape.layers_per_group
-    roomy = make_manager(shape, hybrid, context, num_groups * cdiv(context + 1, BLOCK_SIZE) + 2)
-    assert run_request(roomy, "one", context, args.step_tokens, rng)
     bytes_per_block = shape.bytes_per_block(args.dtype_bytes)
-    num_blocks = held_blocks(roomy, "one")
+    num_blocks = blocks_per_request(shape, context, hybrid, args.step_tokens)
     budget_blocks = int(args.kv_budget_gib * GiB) // bytes_per_block
-    pool = make_manager(shape, hybrid, context, budget_blocks + 1)  # + the null block
-    num_admitted = 0
-    while run_request(pool, f"r{num_admitted}", context, args.step_tokens, rng):
-        num_admitted += 1
+    num_admitted = concurrent_requests(shape, context, hybrid, budget_blocks, args.step_tokens)
     return {
         "blocks_per_request": num_blocks,
         "kv_bytes_per_request": num_blocks * bytes_per_block,
         "max_concurrent_requests": num_admitted,
     }
+
+
+def blocks_per_request(shape: ModelShape, context: int, hybrid: bool, step_tokens: int) -> int:
+    """Blocks one request holds after its `context`-token prompt and one decoded token."""
+    num_groups = shape.num_layers // shape.layers_per_group
+    roomy = make_manager(shape, hybrid, context, num_groups * cdiv(context + 1, BLOCK_SIZE) + 2)
+    assert run_request(roomy, "one", context, step_tokens, random.Random(0))
+    return held_blocks(roomy, "one")
+
+
+def concurrent_requests(
+    shape: ModelShape, context: int, hybrid: bool, budget_blocks: int, step_tokens: int
+) -> int:
+    """How many `context`-token requests `budget_blocks` blocks hold at once."""
+    rng = random.Random(0)
+    pool = make_manager(shape, hybrid, context, budget_blocks + 1)  # + the null block
+    num_admitted = 0
+    while run_request(pool, f"r{num_admitted}", context, step_tokens, rng):
+        num_admitted += 1
+    return num_admitted
+
+
+# ---- offline throughput at a fixed KV budget -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputShape:
+    """The long-prompt workload; `--quick` shrinks it."""
+
+    num_prompts: int
+    prompt_tokens: int
+    max_tokens: int
+    budget_requests: int
+
+
+FULL_THROUGHPUT = ThroughputShape(
+    num_prompts=12, prompt_tokens=1024, max_tokens=192, budget_requests=3
+)
+QUICK_THROUGHPUT = ThroughputShape(
+    num_prompts=4, prompt_tokens=640, max_tokens=16, budget_requests=1
+)
+
+
+def long_prompt_workload(llm, shape: ThroughputShape, seed: int) -> GenerationWorkload:
+    rng = random.Random(f"{seed}-long-prompts")
+    encode = llm.get_tokenizer().encode
+    return GenerationWorkload(
+        "long-prompts",
+        f"{shape.num_prompts} prompts of {shape.prompt_tokens} tokens, {shape.max_tokens} each",
+        [exact_length_prompt(rng, encode, shape.prompt_tokens) for _ in range(shape.num_prompts)],
+        [shape.max_tokens] * shape.num_prompts,
+    )
+
+
+def generate_timed(llm, workload: GenerationWorkload) -> tuple[float, list[list[int]]]:
+    """(seconds, output token ids per prompt) of one greedy, ignore_eos `generate` call."""
+    from frontend import SamplingParams as FrontendSamplingParams
+
+    params = [
+        FrontendSamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        for n in workload.max_tokens
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
+    elapsed_s = time.perf_counter() - start
+    return elapsed_s, [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def measure_throughput(
+    model_path: Path, model_shape: ModelShape, shape: ThroughputShape, args: argparse.Namespace
+) -> dict:
+    """Hybrid vs all-full `LLM.generate` on one workload and one KV block budget."""
+    from frontend import LLM
+
+    context = shape.prompt_tokens + shape.max_tokens
+    bytes_per_block = model_shape.bytes_per_block(args.dtype_bytes)
+    budget_blocks = shape.budget_requests * blocks_per_request(
+        model_shape, context, False, args.step_tokens
+    )
+    num_groups = model_shape.num_layers // model_shape.layers_per_group
+    # The null block: a block of every layer when all layers form one group.
+    budget_bytes = (budget_blocks + num_groups) * bytes_per_block
+    engine_args = dict(
+        dtype={4: "float32", 2: "bfloat16"}[args.dtype_bytes],
+        max_model_len=context,
+        max_num_batched_tokens=args.step_tokens,
+    )
+    record: dict = {
+        "workload": dataclasses.asdict(shape),
+        "budget_blocks": budget_blocks,
+        "budget_mib": budget_blocks * bytes_per_block / 2**20,
+    }
+    outputs = {}
+    for name, hybrid in (("hybrid", True), ("all_full", False)):
+        # The engine sizes its cache from this byte budget, as a CPU user sets it.
+        os.environ[KV_CACHE_MEMORY_BYTES_ENV] = str(budget_bytes)
+        with LLM(str(model_path), disable_hybrid_kv_cache=not hybrid, **engine_args) as llm:
+            workload = long_prompt_workload(llm, shape, args.seed)
+            elapsed_s, outputs[name] = generate_timed(llm, workload)
+        record[name] = {
+            "seconds": elapsed_s,
+            "output_tokens_per_s": workload.num_output_tokens / elapsed_s,
+            "requests_at_once": concurrent_requests(
+                model_shape, context, hybrid, budget_blocks, args.step_tokens
+            ),
+        }
+        print(f"{name}: {record[name]['output_tokens_per_s']:.1f} output tok/s ({elapsed_s:.1f} s)")
+    record["speedup"] = (
+        record["hybrid"]["output_tokens_per_s"] / record["all_full"]["output_tokens_per_s"]
+    )
+    record["same_tokens"] = sum(
+        a == b for a, b in zip(outputs["hybrid"], outputs["all_full"], strict=True)
+    )
+    return record
+
+
+def throughput_markdown(record: dict, args: argparse.Namespace) -> str:
+    shape = record["workload"]
+    header = ["KV cache", "requests at once", "seconds", "output tok/s", "vs all-full"]
+    rows = [
+        [
+            name.replace("_", "-"),
+            record[name]["requests_at_once"],
+            f"{record[name]['seconds']:.1f}",
+            f"{record[name]['output_tokens_per_s']:.1f}",
+            f"{record[name]['output_tokens_per_s'] / record['all_full']['output_tokens_per_s']:.2f}x",
+        ]
+        for name in ("hybrid", "all_full")
+    ]
+    return (
+        f"### Offline throughput at a fixed KV budget: {shape['num_prompts']} prompts of "
+        f"{shape['prompt_tokens']} tokens, {shape['max_tokens']} output tokens each (greedy, "
+        f"ignore_eos), {record['budget_blocks']} blocks ({record['budget_mib']:.0f} MiB at "
+        f"{args.dtype_bytes}-byte KV: {shape['budget_requests']} all-full requests at full "
+        f"length), steps of {args.step_tokens} tokens\n\n"
+        + markdown_table(header, rows)
+        + f"\n\n'requests at once' is what the core's KVCacheManager admits in that budget at "
+        f"full length. Same greedy tokens from both: {record['same_tokens']} of "
+        f"{shape['num_prompts']} requests.\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-tokens", type=int, default=1024, help="prompt tokens per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--quick", action="store_true", help="a small throughput workload (smoke test)"
+    )
+    parser.add_argument(
+        "--skip-throughput", action="store_true", help="only the memory figures (no model run)"
+    )
     args = parser.parse_args(argv)
     model_path = gemma3_270m_model_path()
     shape = ModelShape.from_gguf(model_path)
@@ -195,6 +354,11 @@ def main(argv: list[str] | None = None) -> None:
         f"window), {args.dtype_bytes}-byte KV, blocks of {BLOCK_SIZE}, prompt steps of "
         f"{args.step_tokens}\n\n" + markdown_table(header, rows)
     )
+    throughput = None
+    if not args.skip_throughput:
+        shape_run = QUICK_THROUGHPUT if args.quick else FULL_THROUGHPUT
+        throughput = measure_throughput(model_path, shape, shape_run, args)
+        markdown += "\n" + throughput_markdown(throughput, args)
     result = {
         "model": str(model_path.name),
         "shape": dataclasses.asdict(shape),
@@ -202,9 +366,11 @@ def main(argv: list[str] | None = None) -> None:
         "dtype_bytes": args.dtype_bytes,
         "step_tokens": args.step_tokens,
         "results": results,
+        "throughput": throughput,
         "machine": machine_info(),
     }
-    print(write_results(result, markdown, args.output_dir, "kv_memory"))
+    name = result_name("kv_memory", args.quick)
+    print(write_results(result, markdown, args.output_dir, name))
 
 
 if __name__ == "__main__":
