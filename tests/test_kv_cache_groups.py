@@ -42,6 +42,15 @@ def test_the_core_config_follows_the_same_switch():
     assert disabled.kv_cache_groups == (FullAttentionSpec(16),)
 
 
+def test_a_window_wider_than_max_model_len_is_clipped_at_start_up_not_an_error():
+    """Such a window frees nothing (vLLM treats it as full attention too); the groups keep
+    the workers' layout."""
+    from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+
+    config = KVCacheConfig.for_layers([None, 8192, None, 8192], 16, 4096)
+    assert config.kv_cache_groups == (FullAttentionSpec(16), SlidingWindowSpec(16, 4096))
+
+
 def test_group_size_is_the_gcd_of_the_layer_counts_and_windows_sort_by_size():
     windows = [4096, None, 1024, None, 4096, None, 1024, None]
     groups = group_layers(windows)
