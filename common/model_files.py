@@ -84,20 +84,31 @@ def gemma3_270m_model_path() -> Path:
     return path
 
 
+# Models shipped as Python packages, by the short name a user may pass instead of a path.
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": default_model_path,
+    "gemma3-270m": gemma3_270m_model_path,
+}
+
+
 def resolve_model_path(model: str | Path | None) -> Path:
     """Maps a user's model argument to an existing HF folder or `.gguf` file.
 
-    None -> `default_model_path()`. A folder must hold config.json, or else exactly one .gguf
-    file (which is then returned). A file must end in `.gguf`. Raises FileNotFoundError or
-    ValueError naming the path otherwise.
+    None -> `default_model_path()`. A name in PACKAGED_MODELS that is not also a path here ->
+    that package's file. A folder must hold config.json, or else exactly one .gguf file (which
+    is then returned). A file must end in `.gguf`. Raises FileNotFoundError or ValueError naming
+    the path otherwise.
     """
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and str(model) in PACKAGED_MODELS:
+        return PACKAGED_MODELS[str(model)]()
     if not path.exists():
         raise FileNotFoundError(
             f"model path {str(path)!r} does not exist; pass a Hugging Face folder "
-            f"(with {HF_CONFIG_FILE_NAME} and *.safetensors) or a {GGUF_SUFFIX} file"
+            f"(with {HF_CONFIG_FILE_NAME} and *.safetensors), a {GGUF_SUFFIX} file or a "
+            f"packaged model's name ({', '.join(PACKAGED_MODELS)})"
         )
     if path.is_file():
         if not is_gguf_file(path):

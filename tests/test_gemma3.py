@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.gguf_file import GGUFFile
-from common.model_files import gemma3_270m_model_path, model_cache_dir
+from common.model_files import gemma3_270m_model_path, model_cache_dir, resolve_model_path
 from core.in_process_engine import GenerationOutput
 from kernels import cpu_backend, torch_reference, write_kv_and_attend
 from kernels.attention_metadata import AttentionMetadata
@@ -264,6 +264,7 @@ def test_locator_caches_the_assembled_file_and_then_needs_no_import(gguf_path, m
 
     monkeypatch.setattr("importlib.import_module", no_import)
     assert gemma3_270m_model_path() == gguf_path
+    assert resolve_model_path("gemma3-270m") == gguf_path  # the short name for --model
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +72,17 @@ def test_resolve_model_path_errors_name_the_path(tmp_path, tiny_folder):
     with pytest.raises(ValueError, match="weights.bin.*is not a .gguf file"):
         resolve_model_path(not_gguf)
     assert resolve_model_path(tiny_folder) == tiny_folder
+    with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct, gemma3-270m"):
+        resolve_model_path("gemma-270m")  # a near miss lists the packaged names
+
+
+def test_packaged_model_names_resolve_unless_a_path_has_that_name(tmp_path, monkeypatch):
+    assert resolve_model_path("smollm2-135m-instruct") == default_model_path()
+    own = tmp_path / "smollm2-135m-instruct"
+    own.mkdir()
+    (own / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("smollm2-135m-instruct") == Path("smollm2-135m-instruct/model.gguf")
 
 
 # --- configs ------------------------------------------------------------------------------
