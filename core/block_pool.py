@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from core.kv_cache_events import LOGGED_GROUP_ID, KVCacheEventLog
 from core.kv_cache_utils import (
     BlockHash,
     BlockHashWithGroupId,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    get_group_id,
     make_block_hash_with_group_id,
 )
 
@@ -80,6 +82,13 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # Set by `enable_kv_cache_events` (data parallelism): what the cache gains and loses.
+        self.kv_event_log: KVCacheEventLog | None = None
+
+    def enable_kv_cache_events(self) -> KVCacheEventLog:
+        """Starts logging the first group's stored and removed hashes; returns the log."""
+        self.kv_event_log = KVCacheEventLog()
+        return self.kv_event_log
 
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_id: int = 0
@@ -114,6 +123,8 @@ class BlockPool:
                 continue
             key = make_block_hash_with_group_id(request.block_hashes[index], kv_cache_group_id)
             block.block_hash = key
+            if self.kv_event_log is not None:
+                self._log_stored(key)
             self.cached_block_hash_to_block.insert(key, block)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -138,7 +149,21 @@ class BlockPool:
             return False
         self.cached_block_hash_to_block.pop(block_hash, block.block_id)
         block.reset_hash()
+        if self.kv_event_log is not None:
+            self._log_removed(block_hash)
         return True
+
+    def _log_stored(self, key: BlockHashWithGroupId) -> None:
+        """Logs `key` before it enters the map, unless a copy is already there."""
+        is_new = self.cached_block_hash_to_block.get_one_block(key) is None
+        if is_new and get_group_id(key) == LOGGED_GROUP_ID:
+            self.kv_event_log.record_stored(key)
+
+    def _log_removed(self, key: BlockHashWithGroupId) -> None:
+        """Logs `key` after a block left the map, once no copy is left."""
+        is_gone = self.cached_block_hash_to_block.get_one_block(key) is None
+        if is_gone and get_group_id(key) == LOGGED_GROUP_ID:
+            self.kv_event_log.record_removed(key)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on prefix-hit blocks; a free one leaves the free queue."""
@@ -178,6 +203,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        if self.kv_event_log is not None:
+            self.kv_event_log.record_cleared()
         return True
 
     def check_integrity(self) -> None:

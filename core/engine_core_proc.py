@@ -32,6 +32,7 @@ from core.engine_core import (
     start_engine_core,
 )
 from core.executor import Executor, WorkerFailedError
+from core.kv_cache_events import KVCacheEventLog
 from core.request import Request
 from core.scheduler import Scheduler, max_blocks_per_request
 from proto import (
@@ -91,6 +92,7 @@ class EngineCoreProc:
         self.poller = zmq.Poller()  # the DEALER and every worker's pipe (see _run_busy_loop)
         self.executor: Executor | None = None
         self.engine_core: EngineCore | None = None
+        self.kv_event_log: KVCacheEventLog | None = None  # data parallelism only
         self.vocab_size = 0  # known once the workers report; requests are read only after that
 
     def run(self, stop_on_sigint: bool = True) -> int:
@@ -125,6 +127,10 @@ class EngineCoreProc:
         self.executor = Executor(self.config)
         self.engine_core, ready = start_engine_core(self.config, self.executor)
         self.vocab_size = ready.vocab_size
+        if self.config.data_parallel_size > 1:
+            # The frontend routes by the cores' cached prefixes: report them with the outputs.
+            block_pool = self.engine_core.scheduler.kv_cache_manager.block_pool
+            self.kv_event_log = block_pool.enable_kv_cache_events()
         return ready
 
     # ---- main thread: busy loop ------------------------------------------------------------
@@ -145,7 +151,9 @@ class EngineCoreProc:
                 continue
             self.executor.send_step(scheduler_output)
             outputs = engine_core.update(scheduler_output, self._wait_for_step())
-            if outputs.outputs:
+            if self.kv_event_log is not None:
+                outputs.kv_events = self.kv_event_log.take()
+            if outputs.outputs or outputs.kv_events is not None:
                 self._send(outputs)
 
     def _wait_for_frontend(self) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from common.block_hash import BlockHash
 from core.block_pool import BlockPool, BlockPoolIntegrityError
 from core.kv_cache_spec import KVCacheConfig
-from core.kv_cache_utils import BlockHash, KVCacheBlock, get_group_id
+from core.kv_cache_utils import KVCacheBlock, get_group_id
 from core.request import Request
 from core.single_type_kv_cache_manager import FullAttentionManager, get_manager_for_kv_cache_spec
 

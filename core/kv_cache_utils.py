@@ -1,42 +1,16 @@
-"""KV cache block metadata, the LRU free-block queue and chained block hashing."""
+"""KV cache block metadata and the LRU free-block queue (block hashes: `common.block_hash`)."""
 
 from __future__ import annotations
 
-import os
-from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import NewType
 
-import msgspec
-import xxhash
+from common.block_hash import BlockHash
 
-BlockHash = NewType("BlockHash", bytes)
 # A block hash followed by its KV cache group id: each group of a hybrid model holds its own
 # copy of a prefix's KV, so each group has its own entries in the pool's one hash map.
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
-
-# Seed of every hash chain. Random per engine process, so block hashes cannot be predicted
-# (or collided on purpose) from outside; deterministic within the engine that computes them.
-NONE_HASH = BlockHash(os.urandom(16))
-
-
-def hash_block_tokens(
-    parent_block_hash: BlockHash | None,
-    token_ids: Sequence[int],
-    extra_keys: tuple[Any, ...] | None = None,
-) -> BlockHash:
-    """128-bit xxhash of (parent hash, this block's tokens, extra keys).
-
-    Chaining makes a block's hash identify its whole prefix, so equal hashes mean equal KV.
-    `extra_keys` (cache salt, adapter id, ...) separates otherwise identical token blocks.
-    """
-    hasher = xxhash.xxh3_128()
-    hasher.update(parent_block_hash if parent_block_hash is not None else NONE_HASH)
-    hasher.update(array("q", token_ids).tobytes())
-    if extra_keys:
-        hasher.update(msgspec.msgpack.encode(extra_keys))
-    return BlockHash(hasher.digest())
 
 
 def make_block_hash_with_group_id(

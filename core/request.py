@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Iterable
 
-from core.kv_cache_utils import BlockHash, hash_block_tokens
+from common.block_hash import BlockHash, hash_block_tokens
 from proto import FinishReason, SamplingParams, TokenLogprobs
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from common.block_hash import BlockHash
 from common.math_utils import cdiv
 from core.block_pool import BlockPool
 from core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from core.kv_cache_utils import BlockHash, KVCacheBlock
+from core.kv_cache_utils import KVCacheBlock
 from core.request import Request
 
 

@@ -43,6 +43,7 @@ from frontend.async_engine_client import (
 )
 from frontend.body_limit import BodySizeLimit
 from frontend.core_client import EngineDeadError
+from frontend.data_parallel_client import sum_stats
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.openai_logprobs import (
     append_logprobs,
@@ -260,8 +261,10 @@ def _add_routes(app: FastAPI, settings: ServerSettings) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         engine = _engine(request)
-        stats = await engine.get_stats()
-        return Response(engine.metrics.render_prometheus(stats), media_type=METRICS_CONTENT_TYPE)
+        per_core = await engine.get_stats_per_core()
+        stats = sum_stats(per_core)
+        text = engine.metrics.render_prometheus(stats, per_core)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models(request: Request) -> ModelList:

@@ -18,6 +18,7 @@ import msgspec
 
 from common.model_files import resolve_model_path
 from frontend.core_client import AsyncCoreClient, EngineDeadError
+from frontend.data_parallel_client import DataParallelCoreClient
 from frontend.metrics import EngineMetrics
 from frontend.null_tokenizer import NullTokenizer
 from frontend.output_processor import OutputProcessor
@@ -78,7 +79,16 @@ class AsyncEngineClient:
         self.metrics = EngineMetrics(metrics_name, start_time_s=time.monotonic())
         # Given an address, attach to the core started there (`python -m core
         # --frontend-address ADDRESS`); never start a second one.
-        self._core = AsyncCoreClient(config, address, launch_core=address is None)
+        if config.data_parallel_size > 1 and address is not None:
+            raise ValueError(
+                f"data_parallel_size={config.data_parallel_size} launches its own engine cores; "
+                f"attaching to the one at {address} serves a single core"
+            )
+        self._core = (
+            DataParallelCoreClient(config)
+            if config.data_parallel_size > 1
+            else AsyncCoreClient(config, address, launch_core=address is None)
+        )
         self._request_id_to_processor: dict[str, OutputProcessor] = {}
         self._background_tasks: set[asyncio.Task] = set()
         self._stopped_reason: str | None = None  # set by stop_serving
@@ -264,8 +274,16 @@ class AsyncEngineClient:
         self._raise_if_dead()
 
     async def get_stats(self) -> SchedulerStats:
+        """The engine's scheduler stats (summed over data-parallel cores)."""
         self._raise_if_dead()
         return await self._core.get_stats()
+
+    async def get_stats_per_core(self) -> list[SchedulerStats]:
+        """Each engine core's stats, in data-parallel rank order (one entry for one core)."""
+        self._raise_if_dead()
+        if isinstance(self._core, DataParallelCoreClient):
+            return await self._core.get_stats_per_core()
+        return [await self._core.get_stats()]
 
     async def reset_prefix_cache(self) -> bool:
         """True if the prefix cache was reset; False while requests hold KV blocks."""

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -65,10 +66,21 @@ class AsyncCoreClient:
     dies first. Every method must be called on the event loop that ran `start()`.
     `launch_core=False` waits for a core started separately with
     `python -m core --frontend-address ADDRESS` (`address` is then required).
+    `env`: the launched core's environment (None: this process's). `on_outputs` sees every
+    `EngineCoreOutputs` before its outputs are dispatched (a data-parallel router counts load
+    and reads the core's KV cache events there). `label` prefixes the reasons of its death
+    ("engine core 1 of 2").
     """
 
     def __init__(
-        self, config: EngineConfig, address: str | None = None, *, launch_core: bool = True
+        self,
+        config: EngineConfig,
+        address: str | None = None,
+        *,
+        launch_core: bool = True,
+        env: dict[str, str] | None = None,
+        on_outputs: Callable[[EngineCoreOutputs], None] | None = None,
+        label: str | None = None,
     ) -> None:
         if address is None and not launch_core:
             raise ValueError("launch_core=False needs the address the engine core connects to")
@@ -77,6 +89,9 @@ class AsyncCoreClient:
         self.config = config
         self.address = address
         self.launch_core = launch_core
+        self.env = env
+        self.on_outputs = on_outputs
+        self.label = label
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
         self._context: zmq.asyncio.Context | None = None
@@ -156,7 +171,7 @@ class AsyncCoreClient:
             "--config", self.config.to_b64(),
             "--watch-parent",
         ]  # fmt: skip
-        process = subprocess.Popen(argv)
+        process = subprocess.Popen(argv, env=self.env)
         logger.info("launched engine core (pid %d) at %s", process.pid, self.address)
         return process
 
@@ -266,7 +281,7 @@ class AsyncCoreClient:
         frames = [self._core_routing_id, *self._encoder.encode(message)]
         future = self._router.send_multipart(frames, copy=False)
         if future.done() and future.exception() is not None:
-            self._mark_dead(f"engine core is unreachable: {future.exception()}")
+            self._die(f"engine core is unreachable: {future.exception()}")
             self._raise_if_dead()
         return future
 
@@ -302,20 +317,22 @@ class AsyncCoreClient:
             asyncio.get_running_loop().call_soon(self._read_outputs)
         except Exception as exc:
             logger.exception("engine core output dispatch failed")
-            self._mark_dead(f"engine core output dispatch failed: {exc}")
+            self._die(f"engine core output dispatch failed: {exc}")
 
     def _check_core(self) -> None:
         """Every POLL_INTERVAL_S: outputs the core sent before dying are delivered first, then
         a core that is gone marks the client dead."""
         self._read_outputs()
         if not self.is_dead and (reason := self._core_gone_reason()) is not None:
-            self._mark_dead(reason)
+            self._die(reason)
         if not self.is_dead:
             loop = asyncio.get_running_loop()
             self._liveness_timer = loop.call_later(POLL_INTERVAL_S, self._check_core)
 
     def _dispatch(self, message: msgspec.Struct) -> None:
         if isinstance(message, EngineCoreOutputs):
+            if self.on_outputs is not None:
+                self.on_outputs(message)
             for output in message.outputs:
                 if output.finished:
                     output_queue = self._request_id_to_queue.pop(output.request_id, None)
@@ -328,7 +345,7 @@ class AsyncCoreClient:
             if future is not None and not future.done():
                 future.set_result(message)
         else:
-            self._mark_dead(f"engine core died: {message.reason}")
+            self._die(f"engine core died: {message.reason}")
 
     def _core_gone_reason(self) -> str | None:
         if self._process is not None and (returncode := self._process.poll()) is not None:
@@ -337,7 +354,11 @@ class AsyncCoreClient:
             return f"engine core at {self.address} disconnected"
         return None
 
-    def _mark_dead(self, reason: str) -> None:
+    def _die(self, reason: str) -> None:
+        """`mark_dead` for a reason this client found, prefixed with its `label` if any."""
+        self.mark_dead(f"{self.label}: {reason}" if self.label else reason)
+
+    def mark_dead(self, reason: str) -> None:
         """Fails every pending queue and call with EngineDeadError(reason); first reason wins."""
         if self.dead_reason is not None:
             return
@@ -372,7 +393,7 @@ class AsyncCoreClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._process is not None:
             await self._stop_core_process()
-        self._mark_dead("the engine client was shut down")
+        self.mark_dead("the engine client was shut down")
         if self._monitor is not None:
             self._router.disable_monitor()
         for sock in (self._monitor, self._router, self._pull):

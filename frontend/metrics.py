@@ -10,7 +10,7 @@ core with each request's first token.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -113,9 +113,14 @@ class EngineMetrics:
             model_name=self.model_name, finished_reason=finished_reason
         ).inc()
 
-    def render_prometheus(self, stats: SchedulerStats) -> bytes:
-        """Prometheus text exposition of these metrics and the core's `stats`."""
+    def render_prometheus(
+        self, stats: SchedulerStats, per_core: Sequence[SchedulerStats] = ()
+    ) -> bytes:
+        """Prometheus text exposition of these metrics and the engine's `stats`; with several
+        data-parallel cores, also each core's (`per_core`) in the `*_by_engine` families,
+        labelled `engine="<rank>"`."""
         self._scheduler.stats = stats
+        self._scheduler.per_core = list(per_core) if len(per_core) > 1 else []
         return generate_latest(self.registry)
 
     def log_line(self, stats: SchedulerStats, now_s: float) -> str:
@@ -137,39 +142,67 @@ class EngineMetrics:
 
 
 class _SchedulerCollector(Collector):
-    """The core's gauges and cumulative counters, as of the last `SchedulerStats`."""
+    """The engine's gauges and cumulative counters, as of the last `SchedulerStats`; per core
+    too when there are several."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats = SchedulerStats()
+        self.per_core: list[SchedulerStats] = []
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.stats
-        for name, help_text, value in (
-            ("num_requests_running", "Requests in the running batch.", stats.num_running_reqs),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs),
-            (
-                "kv_cache_usage_perc",
-                "Fraction of KV cache blocks in use (0 to 1).",
-                stats.kv_cache_usage,
-            ),
-        ):
-            gauge = GaugeMetricFamily(METRIC_PREFIX + name, help_text, labels=["model_name"])
-            gauge.add_metric([self.model_name], value)
-            yield gauge
-        for name, help_text, value in (
-            (
-                "prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_cache_queries,
-            ),
-            (
-                "prefix_cache_hits",
-                "Prompt tokens found in the prefix cache.",
-                stats.prefix_cache_hits,
-            ),
-            ("num_preemptions", "Requests preempted for lack of KV blocks.", stats.num_preemptions),
-        ):
-            counter = CounterMetricFamily(METRIC_PREFIX + name, help_text, labels=["model_name"])
-            counter.add_metric([self.model_name], value)
-            yield counter
+        for family, name, help_text, read in SCHEDULER_METRICS:
+            metric = family(METRIC_PREFIX + name, help_text, labels=["model_name"])
+            metric.add_metric([self.model_name], read(self.stats))
+            yield metric
+            if not self.per_core:
+                continue
+            metric = family(
+                METRIC_PREFIX + name + "_by_engine",
+                f"{help_text} Per data-parallel engine core.",
+                labels=["model_name", "engine"],
+            )
+            for rank, stats in enumerate(self.per_core):
+                metric.add_metric([self.model_name, str(rank)], read(stats))
+            yield metric
+
+
+# (family, name, help, value) of each scheduler metric.
+SCHEDULER_METRICS = (
+    (
+        GaugeMetricFamily,
+        "num_requests_running",
+        "Requests in the running batch.",
+        lambda stats: stats.num_running_reqs,
+    ),
+    (
+        GaugeMetricFamily,
+        "num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        lambda stats: stats.num_waiting_reqs,
+    ),
+    (
+        GaugeMetricFamily,
+        "kv_cache_usage_perc",
+        "Fraction of KV cache blocks in use (0 to 1).",
+        lambda stats: stats.kv_cache_usage,
+    ),
+    (
+        CounterMetricFamily,
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        lambda stats: stats.prefix_cache_queries,
+    ),
+    (
+        CounterMetricFamily,
+        "prefix_cache_hits",
+        "Prompt tokens found in the prefix cache.",
+        lambda stats: stats.prefix_cache_hits,
+    ),
+    (
+        CounterMetricFamily,
+        "num_preemptions",
+        "Requests preempted for lack of KV blocks.",
+        lambda stats: stats.num_preemptions,
+    ),
+)

@@ -47,6 +47,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     seed: int = 0
@@ -90,6 +92,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}",
         )
         _check(
+            self.data_parallel_size >= 1,
+            f"data_parallel_size must be at least 1, got {self.data_parallel_size}",
+        )
+        _check(
+            0 <= self.data_parallel_rank < self.data_parallel_size,
+            f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}), "
+            f"got {self.data_parallel_rank}",
+        )
+        _check(
             self.long_prefill_token_threshold >= 0,
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
         )
@@ -120,8 +131,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one `--field-name` flag per field (default: unset, so the config default wins)."""
+        """Adds one `--field-name` flag per field (default: unset, so the config default wins),
+        except the INTERNAL_FIELDS the engine sets itself."""
         for field in msgspec.structs.fields(cls):
+            if field.name in INTERNAL_FIELDS:
+                continue
             flag = "--" + field.name.replace("_", "-")
             help_text = f"{FIELD_HELP.get(field.name, '')} (default: {field.default})".lstrip()
             if field.type is bool:
@@ -147,6 +161,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"invalid engine option: {exc}") from exc
 
 
+# Fields the engine fills in for its own processes, never a user's flag.
+INTERNAL_FIELDS = frozenset({"data_parallel_rank"})
+
 FIELD_HELP = {
     "model": "HF folder or .gguf file (None: the default SmolLM2-135M-Instruct; 'null': no model)",
     "device": "auto, cpu or cuda",
@@ -164,6 +181,11 @@ FIELD_HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks, instead of profiling",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "tensor_parallel_size": "worker processes (devices) to shard the model over",
+    "data_parallel_size": (
+        "engine cores, each with its own workers, behind this frontend; prompts go to the core "
+        "holding their prefix, else the least loaded"
+    ),
+    "data_parallel_rank": "which of the data-parallel engine cores this is (set by the frontend)",
     "long_prefill_token_threshold": "most prompt tokens one request gets per step (0: no cap)",
     "policy": "fcfs or priority",
     "seed": "engine seed",

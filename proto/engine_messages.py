@@ -106,9 +106,20 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
         return self.prefix_cache_hits / self.prefix_cache_queries
 
 
+class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How a core's prefix cache changed since its last report (sent only with data
+    parallelism): `cleared` (every hash forgotten) first, then `removed`, then `stored`. Hashes
+    are `common.block_hash.compact_block_hash` of the first KV cache group's block hashes."""
+
+    stored: list[int] = msgspec.field(default_factory=list)
+    removed: list[int] = msgspec.field(default_factory=list)
+    cleared: bool = False
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     timestamp: float = 0.0
+    kv_events: KVCacheEvents | None = None
 
 
 class EngineReady(msgspec.Struct, array_like=True, gc=False):

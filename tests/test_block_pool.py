@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.block_hash import hash_block_tokens
 from core.block_pool import BlockHashToBlockMap, BlockPool, BlockPoolIntegrityError
-from core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+from core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from tests.core_factories import make_request
 
 

@@ -94,13 +94,13 @@ def _serve(worker, rank: int, pipe: MessagePipe, encoder: MessageEncoder) -> Non
 
 
 def _share_cpu_cores(config: EngineConfig, worker, world_size: int) -> None:
-    """A CPU model worker shares the usable cores among the tensor-parallel ranks (see
-    `share_cpu_threads`)."""
+    """A CPU model worker shares the usable cores among the tensor-parallel ranks of every
+    data-parallel engine core (see `share_cpu_threads`)."""
     if config.is_null_model or getattr(worker.device, "type", None) != "cpu":
         return
     from worker.parallel_state import share_cpu_threads
 
-    share_cpu_threads(world_size)
+    share_cpu_threads(world_size * config.data_parallel_size)
 
 
 def _leave_process_group(config: EngineConfig, world_size: int) -> None:

@@ -48,6 +48,7 @@ class NullWorker:
         seed: int = 0,
         enforce_eager: bool = False,
         disable_hybrid_kv_cache: bool = False,
+        device_rank: int | None = None,
     ) -> None:
         self.device = "cpu" if device == "auto" else device
         self.rank = rank

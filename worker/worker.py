@@ -58,7 +58,10 @@ class Worker:
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
         disable_hybrid_kv_cache: bool = False,
+        device_rank: int | None = None,
     ) -> None:
+        """`device_rank`: which of the visible GPUs "cuda" means (default: `rank`; a
+        data-parallel engine core's ranks come after the earlier cores' ranks)."""
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
         if max_num_batched_tokens is not None:
@@ -70,7 +73,7 @@ class Worker:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.model_name = model
-        self.device = resolve_device(device, rank)
+        self.device = resolve_device(device, rank if device_rank is None else device_rank)
         self.dtype = resolve_dtype(dtype, self.device)
         self.rank = rank
         self.world_size = world_size

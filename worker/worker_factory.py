@@ -35,8 +35,15 @@ def make_worker(config: EngineConfig, rank: int = 0, world_size: int = 1):
         seed=config.seed,
         enforce_eager=config.enforce_eager,
         disable_hybrid_kv_cache=config.disable_hybrid_kv_cache,
+        device_rank=device_rank(config, rank),
         **extra_kwargs,
     )
+
+
+def device_rank(config: EngineConfig, rank: int) -> int:
+    """The GPU index of tensor-parallel rank `rank` of data-parallel core
+    `config.data_parallel_rank`: each core takes the next `tensor_parallel_size` GPUs."""
+    return config.data_parallel_rank * config.tensor_parallel_size + rank
 
 
 def worker_ready(worker, rank: int, num_gpu_blocks: int | None = None) -> WorkerReady:
