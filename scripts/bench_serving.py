@@ -14,8 +14,13 @@ to `vllm serve` on the same weights (an HF folder, `--hf-model`), started from v
 (`--peer-python`, see `scripts/vllm_peer.py`) once `core-serve` has stopped, so only one server
 is ever loaded; both get the same dtype and threads, and the report adds engine / vLLM ratios.
 
+With `--data-parallel-size N` it compares engine servers instead, on a workload of repeated
+system prompts: N engine cores with one worker thread each against one core with one thread,
+and against one core with N threads (see `scripts/serving_data_parallel.py`).
+
     python -m scripts.bench_serving [--quick] [--rates 0.25 0.5 1 inf] [--url http://host:8000]
     python -m scripts.bench_serving --peer vllm [--peer-python /path/to/venv/bin/python]
+    python -m scripts.bench_serving --data-parallel-size 2 [--quick]
 """
 
 from __future__ import annotations
@@ -237,6 +242,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-model", type=Path, default=None,
                         help="the engine's weights as an HF folder, for the peer "
                         "(default: the default model's, converted)")  # fmt: skip
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=None,
+        help="compare N engine cores (one thread each) with one core, on repeated prefixes",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -244,6 +253,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_requests = 8 if args.quick else 32
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.data_parallel_size is not None and (
+        args.data_parallel_size < 2 or args.url is not None or args.peer is not None
+    ):
+        parser.error(
+            "--data-parallel-size N needs N >= 2 and starts its own servers (no --url, --peer)"
+        )
     if args.peer is not None and args.url is not None:
         parser.error("--peer starts both servers itself, one at a time; it cannot use --url")
     if "--dtype" in shlex.split(args.server_args):
@@ -274,6 +289,9 @@ def main() -> None:
     args = parse_args()
     rates = args.rates or ([2.0, math.inf] if args.quick else [0.25, 0.5, 1.0, 2.0, math.inf])
     lengths = QUICK_LENGTHS if args.quick else FULL_LENGTHS
+    if args.data_parallel_size is not None:
+        main_data_parallel(args, rates, lengths)
+        return
     machine = machine_info()
     num_threads = args.threads or default_num_threads()
     dtype = args.dtype
@@ -339,6 +357,23 @@ def main() -> None:
     plot_serving(result, args.output_dir / f"{name}.png")
     errors = result["total_errors"] + (peer["total_errors"] if peer else 0)
     print(f"errors: {errors} (must be 0)")
+
+
+def main_data_parallel(args: argparse.Namespace, rates: list[float], lengths) -> None:
+    """`--data-parallel-size N`: see `scripts.serving_data_parallel`."""
+    from scripts import serving_data_parallel as dp
+
+    dtype = args.dtype or engine_default_dtype(server_device(args.server_args))
+    workload = dp.SharedPrefixWorkload.seeded(args.seed, (5, 40), lengths.output_tokens)
+    run_rows = dp.run_rows_function(
+        run_all, rates, args.num_requests, workload, args.seed, args.served_model_name
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-serving-dp-") as folder:
+        result = dp.compare(args, rates, dtype, run_rows, Path(folder))
+    result["machine"] = machine_info()
+    name = result_name(f"serving_dp{args.data_parallel_size}", args.quick)
+    print(write_results(result, dp.render_markdown(result), args.output_dir, name))
+    print(f"errors: {result['total_errors']} (must be 0)")
 
 
 def render_markdown(result: dict) -> str:

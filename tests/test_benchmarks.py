@@ -456,6 +456,35 @@ def serving_row(rate, throughput: float, ttft_ms: float) -> dict:
     }  # fmt: skip
 
 
+def test_data_parallel_serving_args_workload_and_markdown():
+    from scripts import serving_data_parallel as dp
+
+    assert bench_serving.parse_args(["--data-parallel-size", "2"]).data_parallel_size == 2
+    for bad in (["--data-parallel-size", "1"], ["--data-parallel-size", "2", "--url", "x"]):
+        with pytest.raises(SystemExit):
+            bench_serving.parse_args(bad)
+    workload = dp.SharedPrefixWorkload.seeded(0, (5, 10), (4, 8))
+    assert workload == dp.SharedPrefixWorkload.seeded(0, (5, 10), (4, 8))
+    assert len(set(workload.prefixes)) == dp.NUM_PREFIXES
+    rng = random.Random(1)
+    for _ in range(20):
+        prompt, max_tokens = workload.sample(rng)
+        prefix, _, question = prompt.partition("\n\n")
+        assert prefix in workload.prefixes and 5 <= len(question.split()) <= 10
+        assert 4 <= max_tokens <= 8
+    setups = [
+        {"setup": s.name, "rows": [serving_row("inf", factor, 100.0)], "prefix_hit_rate": 0.5}
+        for s, factor in zip(dp.setups(2), (1.0, 1.8, 1.2), strict=True)
+    ]
+    result = {
+        "server": "core-serve --device cpu", "dtype": "float32", "num_requests_per_rate": 8,
+        "num_prefixes": 4, "prefix_words": 300, "setups": setups, "total_errors": 0,
+    }  # fmt: skip
+    text = dp.render_markdown(result)
+    assert "| inf | 10.0 | 100 | 18.0 | 100 | 12.0 | 100 | **1.80x** | **1.20x** |" in text
+    assert "dp 2, 1 thread per core: 50.0%" in text
+
+
 def test_serving_ratios_and_markdown_with_a_peer():
     rows = [serving_row(1.0, 1.0, 100.0), serving_row("inf", 2.0, 400.0)]
     peer_rows = [serving_row(1.0, 0.5, 200.0), serving_row("inf", 4.0, 100.0)]
