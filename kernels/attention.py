@@ -2,8 +2,8 @@
 
 The backend is chosen by the cache's device: CUDA tensors go to the CuPy kernels when CuPy is
 installed, CPU tensors to the C kernel of `cpu_backend` (which falls back to the torch reference
-without a C compiler), anything else to the torch reference. A sliding-window layer's attention
-runs on the CPU backend or the torch reference (the CUDA kernels take no window yet).
+without a C compiler), anything else to the torch reference. Every backend takes a sliding
+window, so a sliding-window layer runs on the same backend as a full-attention one.
 """
 
 from __future__ import annotations
@@ -27,16 +27,14 @@ def write_kv_and_attend(
 
     Writes key/value through `metadata.slot_mapping`, then returns attention output [T, H_q, D]
     over each request's cached context plus its new tokens; with `sliding_window` W, the query
-    at position p attends to keys p - W + 1 .. p only (transformers' convention). The cache
-    keeps every key either way: the window is a mask.
+    at position p attends to keys p - W + 1 .. p only (transformers' convention). Keys before
+    a window are never read, so a hybrid KV cache may free their blocks (block id 0 in the
+    block table).
     """
     backend = select_backend(kv_cache.device)
     backend.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
-    if sliding_window is None or metadata.max_seq_len <= sliding_window:
-        return backend.paged_attention(query, kv_cache, metadata, scale)
-    if backend not in (cpu_backend, torch_reference):
-        # The CUDA kernels take no window yet: the torch reference (correct on any device).
-        backend = torch_reference
+    if sliding_window is not None and metadata.max_seq_len <= sliding_window:
+        sliding_window = None  # no query of this step has a key before its window
     return backend.paged_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window)
 
 

@@ -8,7 +8,10 @@ Same functions and signatures as `kernels/torch_reference.py`. Contracts:
   of another dtype are converted first, and so is the output on the way back.
 - head_dim must be a multiple of 8, at most 256; block_size may be any positive value.
 - `metadata.max_query_len` / `max_seq_len` must bound the device-side values (they size grids):
-  decode splits cover at most `max_seq_len` keys.
+  decode splits cover at most min(`max_seq_len`, `sliding_window`) keys.
+- With `sliding_window` W the query at position p attends to keys p - W + 1 .. p, and no kernel
+  reads a key before the window of the request's first query token: their blocks may have been
+  freed (the null block 0 in the block table), their slots may hold anything, NaN included.
 CuPy is imported lazily, so this module imports (and `is_available()` answers False) without it.
 """
 
@@ -83,18 +86,22 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal.
 
-    Requests with one query token go to the decode kernel (split-KV when the batch is too small
-    to fill the GPU), the others to the prefill kernel (tensor cores for fp16/bf16 with
-    head_dim % 16 == 0, CUDA cores otherwise); a mixed batch runs both. Returns `out`
+    With `sliding_window` W (a positive int32; None = no window) the query at position p sees
+    only keys p - W + 1 .. p, as in `torch_reference.paged_attention`; keys before a window are
+    never read. Requests with one query token go to the decode kernel (split-KV when the batch
+    is too small to fill the GPU), the others to the prefill kernel (tensor cores for fp16/bf16
+    with head_dim % 16 == 0, CUDA cores otherwise); a mixed batch runs both. Returns `out`
     (allocated like query when None); rows of tokens outside every request are left untouched.
     """
     num_tokens, num_heads, head_dim = (int(s) for s in query.shape)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_reqs = metadata.num_reqs
+    window = lc.check_sliding_window(sliding_window)
     if num_tokens == 0 or num_reqs == 0 or metadata.max_query_len <= 0:
         return out
     dtype_name = _check_cache(kv_cache)
@@ -112,6 +119,7 @@ def paged_attention(
         num_kv_heads=int(kv_cache.shape[3]),
         head_dim=head_dim,
         scale_log2=np.float32(scale * LOG2E),
+        sliding_window=window,
     )
     if metadata.max_query_len > 1:
         _run_prefill(batch, metadata.max_query_len)
@@ -136,6 +144,7 @@ class _Batch:
     num_kv_heads: int
     head_dim: int
     scale_log2: np.float32
+    sliding_window: int  # 0 = no window, as the kernels take it
 
     @property
     def num_reqs(self) -> int:
@@ -169,6 +178,7 @@ def _run_decode(batch: _Batch, max_seq_len: int) -> None:
         batch.head_dim,
         max_seq_len,
         _num_sms(batch.device.index),
+        sliding_window=batch.sliding_window or None,
     )
     loader = default_loader()
     name = lc.decode_kernel_name(batch.dtype_name, batch.head_dim, launch.heads_per_cta)
@@ -187,6 +197,7 @@ def _run_decode(batch: _Batch, max_seq_len: int) -> None:
         _ptr(partial_out),
         _ptr(partial_lse),
         batch.scale_log2,
+        np.int32(batch.sliding_window),
         np.int32(batch.num_kv_heads),
         np.int32(batch.num_heads // batch.num_kv_heads),
         np.int32(launch.num_head_chunks),
@@ -212,6 +223,7 @@ def _run_decode(batch: _Batch, max_seq_len: int) -> None:
         np.int32(batch.head_dim),
         np.int32(launch.keys_per_split),
         np.int32(launch.num_splits),
+        np.int32(batch.sliding_window),
     )
     _launch(merge, launch.merge_grid, launch.merge_block, merge_args, 0, batch.device)
 
@@ -232,6 +244,7 @@ def _run_prefill(batch: _Batch, max_query_len: int) -> None:
     args = (
         *batch.common_args(),
         batch.scale_log2,
+        np.int32(batch.sliding_window),
         np.int32(batch.num_kv_heads),
         np.int32(batch.num_heads // batch.num_kv_heads),
         np.int32(launch.tokens_per_tile),

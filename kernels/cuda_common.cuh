@@ -237,6 +237,24 @@ __device__ __forceinline__ unsigned int pack2<bf16_t>(float lo, float hi) {
          (static_cast<unsigned int>(float_to_bf16_bits(hi)) << 16);
 }
 
+// First key the query at position `pos` attends to: with a sliding window of `sliding_window`
+// keys (> 0) only keys pos - sliding_window + 1 ..= pos are visible; 0 means no window. Keys
+// before it must never be read: a hybrid KV cache may have freed their blocks (null block 0).
+__device__ __forceinline__ int window_start(int pos, int sliding_window) {
+  return sliding_window > 0 ? max(0, pos - sliding_window + 1) : 0;
+}
+
+// Visibility as one unsigned compare: key `key` is visible to the query at position `pos` iff
+// key_visible(pos, key, window_span(sliding_window)), i.e. pos - sliding_window < key <= pos
+// (0 <= key <= pos without a window). A query with pos < 0 (a padding row) sees nothing.
+__device__ __forceinline__ unsigned int window_span(int sliding_window) {
+  return sliding_window > 0 ? static_cast<unsigned int>(sliding_window) : 0x80000000u;
+}
+
+__device__ __forceinline__ bool key_visible(int pos, int key, unsigned int span) {
+  return static_cast<unsigned int>(pos - key) < span;
+}
+
 // The query tile a prefill CTA owns (grid x = query tile, y = request, z = kv_head); shared by
 // prefill_attention.cu and prefill_attention_tc.cu. Rows are token_in_tile * group + head.
 struct PrefillTile {
@@ -246,14 +264,16 @@ struct PrefillTile {
   int tok0;         // first query token of the tile, within the request
   int context_len;  // cached tokens before the request's query
   int num_rows;     // tokens in the tile * group size
+  int kv_begin;     // first key visible to the tile's first token (its window start, or 0)
   int kv_end;       // keys visible to the tile's last token (bottom-right causal)
 };
 
 // Fills `tile`; false when this CTA has nothing to do (tile past the query, or a one-token
-// query left to the decode kernel).
+// query left to the decode kernel). Every key the tile may read lies in [kv_begin, kv_end):
+// window starts grow with the position, so the first token's is the tile's lowest.
 __device__ __forceinline__ bool find_prefill_tile(const int* query_start_loc, const int* seq_lens,
                                                   int tokens_per_tile, int group_size,
-                                                  int skip_single_token_queries,
+                                                  int skip_single_token_queries, int sliding_window,
                                                   PrefillTile* tile) {
   const int req = blockIdx.y;
   const int q_begin = query_start_loc[req];
@@ -272,6 +292,7 @@ __device__ __forceinline__ bool find_prefill_tile(const int* query_start_loc, co
   tile->tok0 = tok0;
   tile->context_len = seq_lens[req] - q_len;
   tile->num_rows = num_tokens * group_size;
+  tile->kv_begin = window_start(tile->context_len + tok0, sliding_window);
   tile->kv_end = tile->context_len + tok0 + num_tokens;
   return true;
 }

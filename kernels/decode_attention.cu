@@ -12,9 +12,12 @@
 // accumulator are per lane and reduced once at the end), so the key loop has no __syncthreads.
 // Scores live in the log2 domain: q is pre-multiplied by scale * log2(e), softmax uses exp2f.
 //
-// Splits: with gridDim.z == 1 the CTA covers the whole context and writes normalized output.
-// With gridDim.z > 1 split z covers keys [z * keys_per_split, (z + 1) * keys_per_split) and
-// writes its normalized partial output plus log2-sum-exp, merged by merge_attention_states.cu.
+// Key range: the query (position seq_len - 1) attends to keys [key_begin, seq_len), key_begin =
+// max(0, seq_len - sliding_window) with a sliding window (sliding_window > 0), else 0. Keys before
+// key_begin are never loaded: a hybrid KV cache may have replaced their blocks by the null block.
+// Splits: with gridDim.z == 1 the CTA covers the whole key range and writes normalized output.
+// With gridDim.z > 1 split z covers keys [key_begin + z * keys_per_split, + keys_per_split) of it
+// and writes its normalized partial output plus log2-sum-exp, merged by merge_attention_states.cu.
 // Requests whose query length is not 1 are skipped (the prefill kernel serves them), so decode
 // and prefill kernels can both run over one mixed batch.
 #include "cuda_common.cuh"
@@ -50,6 +53,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attention(
     float* __restrict__ partial_out,        // [num_splits, num_reqs, num_heads, HEAD_DIM]
     float* __restrict__ partial_lse,        // [num_splits, num_reqs, num_heads]
     float scale_log2,                       // softmax scale * log2(e)
+    int sliding_window,                     // keys per query's window; 0 = no window
     int num_kv_heads,
     int group_size,
     int num_head_chunks,
@@ -71,11 +75,12 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attention(
     return;
   }
   const int seq_len = seq_lens[req];
-  const int split_begin = split * keys_per_split;
+  const int split_begin = window_start(seq_len - 1, sliding_window) + split * keys_per_split;
   if (is_split && split_begin >= seq_len) {
     return;  // the merge only reads splits that hold keys
   }
-  const int split_end = min(seq_len, split_begin + keys_per_split);
+  // Written so that UNSPLIT_KEYS_PER_SPLIT (INT_MAX) cannot overflow.
+  const int split_end = split_begin + min(seq_len - split_begin, keys_per_split);
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;

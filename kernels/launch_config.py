@@ -17,6 +17,8 @@ HEAD_DIM_MULTIPLE = 8
 DEFAULT_SHARED_MEM_BYTES = 48 * 1024
 # Passed as keys_per_split when decode runs unsplit: every request's whole context is one split.
 UNSPLIT_KEYS_PER_SPLIT = 2**31 - 1
+# The kernels take the window as an int32 (0 = none).
+MAX_SLIDING_WINDOW = 2**31 - 1
 
 # decode_attention.cu
 DECODE_THREADS = 128
@@ -63,7 +65,12 @@ class SplitPolicy:
 
 @dataclass(frozen=True, slots=True)
 class DecodeLaunch:
-    """Launch of decode_attention (and merge_attention_states when `num_splits > 1`)."""
+    """Launch of decode_attention (and merge_attention_states when `num_splits > 1`).
+
+    Split z of a request covers keys [begin + z * keys_per_split, + keys_per_split) of the keys
+    its query attends to, [begin, seq_len) (begin > 0 only before a sliding window); the splits
+    cover the most keys any request attends to, `max_attended_keys`.
+    """
 
     grid: Dim3
     block: Dim3
@@ -176,30 +183,52 @@ def decode_shared_mem_bytes(heads_per_cta: int, head_dim: int) -> int:
     return 4 * DECODE_WARPS * heads_per_cta * (2 + head_dim)
 
 
+def check_sliding_window(sliding_window: int | None) -> int:
+    """The kernels' `sliding_window` argument: 0 for None (no window), else the window.
+
+    Raises ValueError unless the window is None or a positive int32 (`keys per query`).
+    """
+    if sliding_window is None:
+        return 0
+    if not 0 < sliding_window <= MAX_SLIDING_WINDOW:
+        raise ValueError(
+            f"sliding_window={sliding_window} must be None or between 1 and {MAX_SLIDING_WINDOW}"
+        )
+    return sliding_window
+
+
+def max_attended_keys(max_seq_len: int, sliding_window: int | None) -> int:
+    """The most keys one decode query attends to: min(max_seq_len, sliding_window)."""
+    if sliding_window is None:
+        return max_seq_len
+    return min(max_seq_len, sliding_window)
+
+
 def choose_num_splits(
-    num_base_ctas: int, max_seq_len: int, num_sms: int, policy: SplitPolicy = SplitPolicy()
+    num_base_ctas: int, max_keys: int, num_sms: int, policy: SplitPolicy = SplitPolicy()
 ) -> int:
-    """How many KV splits decode uses; 1 when the unsplit grid already fills the GPU."""
+    """How many KV splits decode uses for at most `max_keys` keys per request; 1 when the
+    unsplit grid already fills the GPU."""
     if num_base_ctas >= policy.min_ctas_per_sm * num_sms:
         return 1
     base = max(num_base_ctas, 1)
     by_occupancy = max(2, (policy.target_ctas_per_sm * num_sms + base // 2) // base)  # nearest
-    by_length = max_seq_len // policy.min_keys_per_split
+    by_length = max_keys // policy.min_keys_per_split
     return max(1, min(by_occupancy, by_length, policy.max_splits))
 
 
 def split_keys(
-    max_seq_len: int, num_splits: int, policy: SplitPolicy = SplitPolicy()
+    max_keys: int, num_splits: int, policy: SplitPolicy = SplitPolicy()
 ) -> tuple[int, int]:
-    """(num_splits, keys_per_split) covering max_seq_len keys with no empty trailing split.
+    """(num_splits, keys_per_split) covering max_keys keys with no empty trailing split.
 
     keys_per_split is a multiple of `policy.key_alignment`; num_splits may shrink after rounding.
     With one split, keys_per_split is UNSPLIT_KEYS_PER_SPLIT.
     """
     if num_splits <= 1:
         return 1, UNSPLIT_KEYS_PER_SPLIT
-    keys_per_split = round_up(cdiv(max_seq_len, num_splits), policy.key_alignment)
-    num_splits = cdiv(max_seq_len, keys_per_split)
+    keys_per_split = round_up(cdiv(max_keys, num_splits), policy.key_alignment)
+    num_splits = cdiv(max_keys, keys_per_split)
     if num_splits <= 1:
         return 1, UNSPLIT_KEYS_PER_SPLIT
     return num_splits, keys_per_split
@@ -213,15 +242,20 @@ def decode_launch(
     max_seq_len: int,
     num_sms: int,
     policy: SplitPolicy = SplitPolicy(),
+    sliding_window: int | None = None,
 ) -> DecodeLaunch:
-    """Grid x = kv_head * num_head_chunks + chunk, y = request, z = split."""
+    """Grid x = kv_head * num_head_chunks + chunk, y = request, z = split.
+
+    Splits are sized by the keys a query attends to (its window, when shorter than max_seq_len).
+    """
     check_head_dim(head_dim)
     check_num_reqs(num_reqs)
     group_size = check_heads(num_heads, num_kv_heads)
     heads_per_cta, num_head_chunks = head_chunking(group_size)
     num_base_ctas = num_reqs * num_kv_heads * num_head_chunks
-    wanted = choose_num_splits(num_base_ctas, max_seq_len, num_sms, policy)
-    num_splits, keys_per_split = split_keys(max_seq_len, wanted, policy)
+    max_keys = max_attended_keys(max_seq_len, sliding_window)
+    wanted = choose_num_splits(num_base_ctas, max_keys, num_sms, policy)
+    num_splits, keys_per_split = split_keys(max_keys, wanted, policy)
     return DecodeLaunch(
         grid=(num_kv_heads * num_head_chunks, num_reqs, num_splits),
         block=(DECODE_THREADS, 1, 1),

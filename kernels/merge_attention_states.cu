@@ -1,10 +1,12 @@
 // merge_attention_states: combine split-KV decode partials with a log-sum-exp merge.
 //
 // Grid: x = query head, y = request. Split s of a request holds keys
-// [s * keys_per_split, (s + 1) * keys_per_split); only the first ceil(seq_len / keys_per_split)
-// splits hold keys and were written by decode_attention, so only those are read (the others may
-// be uninitialized memory). Partial outputs are normalized per split and their lse values are in
-// the log2 domain: out = sum_s 2^(lse_s - M) * out_s / sum_s 2^(lse_s - M), M = max_s lse_s.
+// [key_begin + s * keys_per_split, + keys_per_split) of its key range [key_begin, seq_len)
+// (key_begin > 0 only with a sliding window, as in decode_attention.cu); only the first
+// ceil((seq_len - key_begin) / keys_per_split) splits hold keys and were written by
+// decode_attention, so only those are read (the others may be uninitialized memory). Partial
+// outputs are normalized per split and their lse values are in the log2 domain:
+// out = sum_s 2^(lse_s - M) * out_s / sum_s 2^(lse_s - M), M = max_s lse_s.
 // A request with seq_len == 0 gets zeros. Requests whose query length is not 1 are skipped.
 #include "cuda_common.cuh"
 
@@ -20,7 +22,8 @@ __global__ void merge_attention_states(
     int num_heads,
     int head_dim,
     int keys_per_split,
-    int num_splits) {
+    int num_splits,
+    int sliding_window) {  // keys per query's window; 0 = no window
   const int head = blockIdx.x;
   const int req = blockIdx.y;
   const int q_row = query_start_loc[req];
@@ -28,7 +31,8 @@ __global__ void merge_attention_states(
     return;
   }
   const int seq_len = seq_lens[req];
-  const int num_valid = min(num_splits, (seq_len + keys_per_split - 1) / keys_per_split);
+  const int num_keys = seq_len - window_start(seq_len - 1, sliding_window);
+  const int num_valid = min(num_splits, (num_keys + keys_per_split - 1) / keys_per_split);
   const long long split_stride = static_cast<long long>(num_reqs) * num_heads;
   const long long row = static_cast<long long>(req) * num_heads + head;
 

@@ -4,10 +4,13 @@
 // (query token, query head of this kv_head's GQA group) pair: row = token_in_tile * group + head.
 // tokens_per_tile = kPrefillRows / group_size tokens share every K/V tile load.
 // Bottom-right causal mask: query token i (0-based within the request's q_len new tokens) sits at
-// position context_len + i, context_len = seq_len - q_len, and sees keys 0 ..= that position.
+// position context_len + i, context_len = seq_len - q_len, and sees keys 0 ..= that position;
+// with a sliding window (sliding_window > 0) only the last sliding_window of them.
 // K/V tiles of kPrefillKeys keys are gathered through the block table into shared memory (fp32);
-// only keys below the tile's last visible position are loaded, so unused cache slots (which may
-// hold anything, NaN included) are never read. Online softmax in the log2 domain.
+// only keys in [kv_begin, kv_end) are loaded (from the tile's first token's window start to its
+// last token's position), so unused cache slots and keys before the window (whose blocks may be
+// gone, NaN included) are never read; each row masks the keys outside its own window.
+// Online softmax in the log2 domain.
 //
 // Thread layout (256 threads): ty = tid / 8 owns rows ty and ty + 32; tx = tid % 8 owns score
 // columns tx + 8c (c < 4) and output dims 4 * tx + 32 * chunk.
@@ -24,6 +27,11 @@ template <int HEAD_DIM>
 struct PrefillLayout {
   static constexpr int kStride = HEAD_DIM + kPrefillRowPad;  // floats per shared Q/K/V row
   static constexpr int kDimChunks = (HEAD_DIM + 31) / 32;
+  // Pins ptxas's register budget at 65536 / (kPrefillThreads * kMinCtasPerSm). Left free, ptxas
+  // trades registers for occupancy and spills (sm_90: float/128 at 80 registers, 36 bytes).
+  // The kernel needs at most 128 registers up to head_dim 160 (2 CTAs per SM), about 150 above
+  // (where shared memory allows at most 1-2 CTAs per SM anyway).
+  static constexpr int kMinCtasPerSm = HEAD_DIM <= 160 ? 2 : 1;
   static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
 };
 
@@ -37,7 +45,8 @@ __device__ __forceinline__ void store_row_vec(float* dst, const float* vals) {
 }
 
 template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
+__global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<HEAD_DIM>::kMinCtasPerSm)
+    prefill_attention(
     const T* __restrict__ query,            // [num_tokens, num_heads, HEAD_DIM], token stride
     long long query_token_stride,           // elements
     const T* __restrict__ key_cache,        // [num_blocks * block_size, num_kv_heads, HEAD_DIM]
@@ -49,6 +58,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
     T* __restrict__ out,                    // [num_tokens, num_heads, HEAD_DIM], token stride
     long long out_token_stride,             // elements
     float scale_log2,                       // softmax scale * log2(e)
+    int sliding_window,                     // keys per query's window; 0 = no window
     int num_kv_heads,
     int group_size,
     int tokens_per_tile,
@@ -62,7 +72,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
 
   PrefillTile tile;
   if (!find_prefill_tile(query_start_loc, seq_lens, tokens_per_tile, group_size,
-                         skip_single_token_queries, &tile)) {
+                         skip_single_token_queries, sliding_window, &tile)) {
     return;
   }
   const int req = tile.req;
@@ -71,6 +81,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
   const int tok0 = tile.tok0;
   const int context_len = tile.context_len;
   const int num_rows = tile.num_rows;
+  const int kv_begin = tile.kv_begin;
   const int kv_end = tile.kv_end;
 
   extern __shared__ float4 prefill_smem4[];
@@ -107,7 +118,8 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
   const int ty = threadIdx.x / 8;
   const int tx = threadIdx.x % 8;
   const int rows[2] = {ty, ty + 32};
-  int last_visible[2];
+  const unsigned int span = window_span(sliding_window);
+  int last_visible[2];  // row r sees key j iff key_visible(last_visible[r], j, span)
   float m[2];
   float l[2];
   float o[2][kChunks * 4];
@@ -122,7 +134,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
     }
   }
 
-  for (int kv0 = 0; kv0 < kv_end; kv0 += kPrefillKeys) {
+  for (int kv0 = kv_begin; kv0 < kv_end; kv0 += kPrefillKeys) {
     __syncthreads();  // the previous tile is consumed (first pass: s_q is complete)
     for (int idx = threadIdx.x; idx < kPrefillKeys * kVecsPerRow; idx += kPrefillThreads) {
       const int j = idx / kVecsPerRow;
@@ -172,7 +184,8 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
       float tile_max = kNegBig;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        if (kv0 + tx + 8 * c > last_visible[r]) {
+        const int key = kv0 + tx + 8 * c;
+        if (!key_visible(last_visible[r], key, span)) {
           s[r][c] = kNegBig;
         }
         tile_max = fmaxf(tile_max, s[r][c]);
@@ -191,7 +204,8 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(
       }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const bool visible = kv0 + tx + 8 * c <= last_visible[r];
+        const int key = kv0 + tx + 8 * c;
+        const bool visible = key_visible(last_visible[r], key, span);
         const float p = visible ? exp2f(s[r][c] - m_new) : 0.0f;
         l[r] += p;
         s_p[rows[r] * kPrefillProbStride + tx + 8 * c] = p;

@@ -2,8 +2,11 @@
 //
 // Same arguments, grid and row packing as prefill_attention.cu: grid x = query tile, y = request,
 // z = kv_head; a CTA owns kTcRows rows, row = token_in_tile * group + head; bottom-right causal
-// mask (query token i sees keys 0 ..= seq_len - q_len + i); only keys below the tile's last
-// visible position are loaded, so unused cache slots are never read.
+// mask (query token i sees keys 0 ..= seq_len - q_len + i, only the last sliding_window of them
+// when sliding_window > 0); only keys in [kv_begin, kv_end) are loaded (the tile's first token's
+// window start to its last token's position), so unused cache slots and keys before the window
+// are never read. Within that range each row masks its own window (P = 0 before the MMA; the
+// loaded V there is data the first token sees, so finite).
 //
 // Four warps, 16 rows each (FlashAttention-2 style): per KV tile of kTcKeys keys the warp computes
 // S = Q K^T on tensor cores, applies the mask and the online softmax to its accumulator fragments
@@ -46,6 +49,7 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
     T* __restrict__ out,                    // [num_tokens, num_heads, HEAD_DIM], token stride
     long long out_token_stride,             // elements
     float scale_log2,                       // softmax scale * log2(e)
+    int sliding_window,                     // keys per query's window; 0 = no window
     int num_kv_heads,
     int group_size,
     int tokens_per_tile,
@@ -55,7 +59,7 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
 
   PrefillTile tile;
   if (!find_prefill_tile(query_start_loc, seq_lens, tokens_per_tile, group_size,
-                         skip_single_token_queries, &tile)) {
+                         skip_single_token_queries, sliding_window, &tile)) {
     return;
   }
   const int req = tile.req;
@@ -64,6 +68,7 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
   const int tok0 = tile.tok0;
   const int context_len = tile.context_len;
   const int num_rows = tile.num_rows;
+  const int kv_begin = tile.kv_begin;
   const int kv_end = tile.kv_end;
 
   extern __shared__ float4 tc_smem4[];
@@ -92,7 +97,8 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
   const int g = lane / 4;
   const int t = lane % 4;
   const int rows[2] = {warp * 16 + g, warp * 16 + g + 8};
-  int last_visible[2];
+  const unsigned int span = window_span(sliding_window);
+  int last_visible[2];  // row h sees key j iff key_visible(last_visible[h], j, span)
   float m[2];
   float l[2];
   float o[L::kDimTiles][4];
@@ -110,7 +116,7 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
     }
   }
 
-  for (int kv0 = 0; kv0 < kv_end; kv0 += kTcKeys) {
+  for (int kv0 = kv_begin; kv0 < kv_end; kv0 += kTcKeys) {
     __syncthreads();  // the previous tile is consumed (first pass: s_q is complete)
     for (int idx = threadIdx.x; idx < kTcKeys * L::kVecsPerRow; idx += kTcThreads) {
       const int j = idx / L::kVecsPerRow;
@@ -165,7 +171,8 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int key = kv0 + nt * 8 + 2 * t + i;
-          const float score = key <= last_visible[h] ? s[nt][2 * h + i] * scale_log2 : kNegBig;
+          const bool visible = key_visible(last_visible[h], key, span);
+          const float score = visible ? s[nt][2 * h + i] * scale_log2 : kNegBig;
           s[nt][2 * h + i] = score;
           tile_max = fmaxf(tile_max, score);
         }
@@ -186,7 +193,8 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int key = kv0 + nt * 8 + 2 * t + i;
-          const float p = key <= last_visible[h] ? exp2f(s[nt][2 * h + i] - m_new) : 0.0f;
+          const bool visible = key_visible(last_visible[h], key, span);
+          const float p = visible ? exp2f(s[nt][2 * h + i] - m_new) : 0.0f;
           s[nt][2 * h + i] = p;
           l[h] += p;
         }

@@ -4,7 +4,9 @@
 with blocks scattered in random order, block-table padding pointing at the null block 0, and
 (by default) every unused cache slot poisoned with NaN, so a kernel that reads a slot it must
 not read produces NaN. `naive_attention` is the dense, per-request, explicitly masked
-definition the kernels and the torch reference are checked against.
+definition the kernels and the torch reference are checked against. A case may carry a sliding
+window; `drop_keys_before_window` then frees what the window no longer needs, as a hybrid KV
+cache does.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, torch_reference
 
 
 @dataclass(slots=True)
@@ -23,7 +25,8 @@ class AttentionCase:
 
     `keys[r]` / `values[r]` are request r's full [seq_len, H_kv, D] K/V (context, then the new
     tokens), i.e. what the cache holds after this step's write. Query rows past
-    `query_start_loc[-1]` are padding tokens (slot -1) that belong to no request.
+    `query_start_loc[-1]` are padding tokens (slot -1) that belong to no request. With
+    `sliding_window` W the query at position p attends to keys p - W + 1 .. p only.
     """
 
     query: torch.Tensor
@@ -36,10 +39,17 @@ class AttentionCase:
     q_lens: list[int]
     seq_lens: list[int]
     scale: float
+    sliding_window: int | None = None
 
     @property
     def num_real_tokens(self) -> int:
         return sum(self.q_lens)
+
+    def first_window_key(self, r: int) -> int:
+        """The first key request r's first query token attends to (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, self.seq_lens[r] - self.q_lens[r] - self.sliding_window + 1)
 
 
 def make_case(
@@ -55,11 +65,13 @@ def make_case(
     num_padding_tokens: int = 0,
     seed: int = 0,
     query_std: float = 2.0,
+    sliding_window: int | None = None,
 ) -> AttentionCase:
     """A batch where request r has seq_lens[r] tokens, the last q_lens[r] of them new.
 
     `query_std` > 1 makes the softmax peaky, so outputs are not averages near zero and a wrong
-    weight shows up well above the tolerance.
+    weight shows up well above the tolerance. `sliding_window` only sets the case's window (what
+    `naive_attention` masks with); the cache still holds every key.
     """
     if any(q > s for q, s in zip(q_lens, seq_lens, strict=True)):
         raise ValueError(f"q_lens {q_lens} must not exceed seq_lens {seq_lens}")
@@ -129,7 +141,32 @@ def make_case(
         q_lens=list(q_lens),
         seq_lens=list(seq_lens),
         scale=head_dim**-0.5,
+        sliding_window=sliding_window,
     )
+
+
+def drop_keys_before_window(case: AttentionCase) -> None:
+    """Frees what the case's sliding window no longer needs, as a hybrid KV cache does.
+
+    For each request, the blocks wholly before its first query token's window become the null
+    block 0 in the block table. Block 0, the blocks it replaced and every slot before that window
+    (in the block straddling it too) are set to NaN, so a kernel that reads a key before the
+    window, or gives one weight 0 by multiplying it, produces NaN. The new tokens' slots all lie
+    at or after the window, so the slot mapping stays valid.
+    """
+    if case.sliding_window is None:
+        raise ValueError("drop_keys_before_window needs a case with a sliding_window")
+    kv_cache, block_table = case.kv_cache, case.metadata.block_table
+    block_size = kv_cache.shape[2]
+    kv_cache[:, 0] = float("nan")
+    for r in range(len(case.seq_lens)):
+        first_key = case.first_window_key(r)
+        num_dropped, num_straddling = divmod(first_key, block_size)
+        if num_straddling:
+            kv_cache[:, int(block_table[r, num_dropped]), :num_straddling] = float("nan")
+        if num_dropped:
+            kv_cache[:, block_table[r, :num_dropped].long()] = float("nan")
+            block_table[r, :num_dropped] = 0
 
 
 def write_new_tokens(case: AttentionCase) -> None:
@@ -144,7 +181,8 @@ def write_new_tokens(case: AttentionCase) -> None:
 def naive_attention(case: AttentionCase, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Dense attention computed in `dtype` for the real tokens: [num_real_tokens, H_q, D].
 
-    Query token i of request r attends to keys 0 ..= seq_len - q_len + i (bottom-right causal).
+    Query token i of request r attends to keys 0 ..= seq_len - q_len + i (bottom-right causal),
+    only the last `case.sliding_window` of them with a window.
     """
     outputs = []
     num_heads = case.query.shape[1]
@@ -159,7 +197,10 @@ def naive_attention(case: AttentionCase, dtype: torch.dtype = torch.float64) -> 
         v = case.values[r].to(dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = key_pos <= query_pos[:, None]
+        if case.sliding_window is not None:
+            visible &= key_pos > query_pos[:, None] - case.sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         outputs.append(torch.einsum("hqk,khd->qhd", probs, v))
@@ -193,7 +234,31 @@ def assert_close_to_reference(case: AttentionCase, out: torch.Tensor) -> None:
     same_dtype = naive_attention(case, out.dtype)
     torch_error = (same_dtype.double() - expected).abs().max().item()
     error = (real.double() - expected).abs().max().item()
-    limit = 3 * torch_error + 1e-5
+    limit = gate_limit(torch_error)
     assert error <= limit, (
         f"max error {error:.3g} above {limit:.3g} (torch at {out.dtype}: {torch_error:.3g})"
+    )
+
+
+def gate_limit(torch_error: float) -> float:
+    """The KERNELS.md gate for a computation whose torch equivalent is off by `torch_error`."""
+    return 3 * torch_error + 1e-5
+
+
+def assert_matches_torch_reference(case: AttentionCase, out: torch.Tensor) -> None:
+    """`out` agrees with `torch_reference.paged_attention` (with the case's window) over the
+    case's cache, which must already hold the new tokens: both are within the KERNELS.md gate of
+    the fp64 definition, so they differ by at most twice the gate."""
+    reference = torch_reference.paged_attention(
+        case.query, case.kv_cache, case.metadata, case.scale, sliding_window=case.sliding_window
+    )[: case.num_real_tokens].to(out.dtype)
+    assert not torch.isnan(reference).any(), "NaN in the torch reference's output"
+    if reference.numel() == 0:
+        return
+    expected = naive_attention(case, torch.float64)
+    torch_error = (naive_attention(case, out.dtype).double() - expected).abs().max().item()
+    difference = (out[: case.num_real_tokens].double() - reference.double()).abs().max().item()
+    assert difference <= 2 * gate_limit(torch_error), (
+        f"max difference {difference:.3g} from the torch reference "
+        f"(torch at {out.dtype}: {torch_error:.3g})"
     )

@@ -10,6 +10,8 @@ to the `gpu` tests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,14 @@ from kernels import attention, cuda_backend, torch_reference
 from kernels import launch_config as lc
 from kernels.warmup import warmup
 from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
-from tests.paged_attention_cases import assert_close_to_reference, make_case, write_new_tokens
+from tests.paged_attention_cases import (
+    assert_close_to_reference,
+    assert_matches_torch_reference,
+    drop_keys_before_window,
+    make_case,
+    naive_attention,
+    write_new_tokens,
+)
 
 NUM_SMS = 4
 
@@ -35,9 +44,11 @@ def loader(monkeypatch) -> EmulatedLoader:
 
 
 def attend(case) -> torch.Tensor:
-    """Cache write and attention through the CUDA backend, as write_kv_and_attend does."""
+    """Cache write and attention through the CUDA backend (with the case's sliding window)."""
     cuda_backend.reshape_and_cache(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
-    return cuda_backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    return cuda_backend.paged_attention(
+        case.query, case.kv_cache, case.metadata, case.scale, sliding_window=case.sliding_window
+    )
 
 
 def launched(loader: EmulatedLoader) -> set[str]:
@@ -226,3 +237,225 @@ def test_engine_greedy_tokens_match_the_reference_backend(loader, monkeypatch, t
     with_kernels = greedy(cuda_backend)
     assert {"prefill_attention<float, 16>", "decode_attention<float, 16, 2>"} <= launched(loader)
     assert with_kernels == greedy(torch_reference)
+
+
+# --- sliding window: keys before a query's window get weight 0 and are never read ------------
+
+
+@pytest.fixture
+def grids(loader, monkeypatch) -> dict[str, list[lc.Dim3]]:
+    """The grids each kernel is launched with, by name expression."""
+    launches: dict[str, list[lc.Dim3]] = {}
+
+    def record(kernel, grid, block, args, shared_mem, device) -> None:
+        launches.setdefault(kernel.name_expression, []).append(tuple(grid))
+        launch_on_cpu(kernel, grid, block, args, shared_mem, device)
+
+    monkeypatch.setattr(cuda_backend, "_launch", record)
+    return launches
+
+
+def windowed_case(seq_lens, q_lens, window, num_heads=8, num_kv_heads=2, head_dim=64, **kwargs):
+    """A case whose blocks before each request's window are the null block, all of it NaN."""
+    case = make_case(
+        seq_lens, q_lens, num_heads, num_kv_heads, head_dim, sliding_window=window, **kwargs
+    )
+    drop_keys_before_window(case)
+    return case
+
+
+def assert_windowed_output(case, out) -> None:
+    """Finite, within the gate of the windowed fp64 definition, and equal to the torch reference
+    (`torch_reference.paged_attention(..., sliding_window=W)`) on the same cache."""
+    assert_close_to_reference(case, out)
+    assert_matches_torch_reference(case, out)
+
+
+def assert_window_matters(case) -> None:
+    """The case tells a windowed kernel from one that ignores the window."""
+    full = dataclasses.replace(case, sliding_window=None)
+    assert (naive_attention(case) - naive_attention(full)).abs().max() > 0.05
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "window"),
+    [
+        # windows start at 20, 50, 13 (inside blocks 1, 3 and 0) and 0 (17 keys)
+        pytest.param([40, 70, 33, 17], 20, id="straddles-blocks"),
+        pytest.param([48, 64, 80], 32, id="starts-on-blocks"),
+        pytest.param([1, 16, 17, 40], 1, id="window-1"),
+        pytest.param([15, 16, 17, 33], 2, id="window-2"),
+    ],
+)
+def test_windowed_decode(loader, seq_lens, window):
+    case = windowed_case(seq_lens, [1] * len(seq_lens), window, num_padding_tokens=2)
+    assert_window_matters(case)
+    assert_windowed_output(case, attend(case))
+    assert launched(loader) == {"reshape_and_cache", "decode_attention<float, 64, 4>"}
+
+
+@pytest.mark.parametrize("window", [33, 34, 1000])
+def test_windowed_decode_with_window_at_least_the_context(loader, window):
+    """No key is before the window: the same as full attention."""
+    case = windowed_case([33, 1, 20], [1, 1, 1], window)
+    out = attend(case)
+    assert_windowed_output(case, out)
+    assert_close_to_reference(dataclasses.replace(case, sliding_window=None), out)
+
+
+def test_windowed_decode_in_bfloat16_with_head_dim_128(loader):
+    case = windowed_case([300, 45, 129], [1, 1, 1], 100, head_dim=128, dtype=torch.bfloat16)
+    assert_window_matters(case)
+    assert_windowed_output(case, attend(case))
+
+
+def test_windowed_split_kv_partitions_only_the_window(grids):
+    """Splits sized by the window, not by the context: 2 splits of 384 window keys, so requests
+    with a window of 383, 384 and 385 keys have an empty, no, and a one-key second split."""
+    window, num_reqs = 600, 6
+    launch = lc.decode_launch(num_reqs, 4, 1, 64, 1100, NUM_SMS, sliding_window=window)
+    unwindowed = lc.decode_launch(num_reqs, 4, 1, 64, 1100, NUM_SMS)
+    assert (launch.num_splits, launch.keys_per_split) == (2, 384)
+    assert unwindowed.num_splits == 3
+    kps = launch.keys_per_split
+    seq_lens = [kps - 1, kps, kps + 1, window, window + 1, 1100]  # the last from key 500 on
+    case = windowed_case(seq_lens, [1] * num_reqs, window, 4, 1, 64)
+    assert_window_matters(case)
+    assert_windowed_output(case, attend(case))
+    assert grids["decode_attention<float, 64, 4>"] == [(1, num_reqs, 2)]
+    assert grids["merge_attention_states<float>"] == [(4, num_reqs, 1)]
+
+
+def test_windowed_split_kv_in_bfloat16_with_gqa(grids):
+    case = windowed_case([700, 3, 530], [1, 1, 1], 520, 8, 2, 128, dtype=torch.bfloat16)
+    assert_window_matters(case)
+    assert_windowed_output(case, attend(case))
+    assert grids["decode_attention<bf16_t, 128, 4>"] == [(2, 3, 2)]
+    assert "merge_attention_states<bf16_t>" in grids
+
+
+class _NanEmptyTorch:
+    """`torch` for cuda_backend whose `empty` is NaN: scratch the kernels do not write shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs) -> torch.Tensor:
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+
+def test_windowed_split_kv_with_more_splits_than_the_window_needs(grids, monkeypatch):
+    """The kernels' contract for any split count: 4 splits of 256 keys over a 600-key window
+    leave the last split of every request empty (and 2 of the 300-key one); the decode kernel
+    writes nothing there and the merge reads only the splits that hold window keys."""
+    monkeypatch.setattr(cuda_backend, "torch", _NanEmptyTorch())
+    monkeypatch.setattr(lc, "split_keys", lambda max_keys, num_splits, policy: (4, 256))
+    case = windowed_case([1100, 300, 601, 5], [1, 1, 1, 1], 600, 4, 1, 64)
+    assert_windowed_output(case, attend(case))
+    assert grids["decode_attention<float, 64, 4>"] == [(1, 4, 4)]
+    assert "merge_attention_states<float>" in grids
+
+
+@pytest.mark.parametrize("window", [100, 300])
+def test_short_window_keeps_a_long_decode_unsplit(grids, window):
+    """Fewer than 2 * min_keys_per_split window keys: one split, no merge, despite 1100 keys."""
+    case = windowed_case([1100, 900], [1, 1], window, 4, 1, 64)
+    assert_windowed_output(case, attend(case))
+    assert grids["decode_attention<float, 64, 4>"] == [(1, 2, 1)]
+    assert "merge_attention_states<float>" not in grids
+
+
+PREFILL_KERNELS = [
+    pytest.param(torch.float32, 64, "prefill_attention<float, 64>", id="cuda-cores-fp32"),
+    pytest.param(torch.bfloat16, 24, "prefill_attention<bf16_t, 24>", id="cuda-cores-bf16"),
+    pytest.param(torch.bfloat16, 64, "prefill_attention_tc<bf16_t, 64>", id="tensor-cores-bf16"),
+    pytest.param(torch.float16, 32, "prefill_attention_tc<half_t, 32>", id="tensor-cores-fp16"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "prefill_kernel"), PREFILL_KERNELS)
+@pytest.mark.parametrize(
+    "window",
+    [
+        pytest.param(7, id="window-7"),  # shorter than a query tile's 16 tokens
+        pytest.param(40, id="window-40"),  # more than one 32-key tile, less than a 64-key one
+        pytest.param(100, id="window-100"),  # more than one 64-key tile
+    ],
+)
+def test_windowed_chunked_prefill(loader, dtype, head_dim, prefill_kernel, window):
+    """Chunks after a context, several query tiles per request, tiles starting mid-block."""
+    case = windowed_case(
+        [150, 70, 9, 200], [100, 20, 9, 64], window, head_dim=head_dim, dtype=dtype, seed=window
+    )
+    assert_window_matters(case)
+    assert_windowed_output(case, attend(case))
+    assert prefill_kernel in launched(loader)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "prefill_kernel"), PREFILL_KERNELS[::2])
+@pytest.mark.parametrize("window", [1, 200, 500])
+def test_windowed_prefill_with_window_1_and_at_least_the_context(
+    loader, dtype, head_dim, prefill_kernel, window
+):
+    case = windowed_case([150, 70, 200], [100, 70, 64], window, head_dim=head_dim, dtype=dtype)
+    assert_windowed_output(case, attend(case))
+    assert prefill_kernel in launched(loader)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "prefill_kernel", "decode_kernel"),
+    [
+        (torch.float32, "prefill_attention<float, 64>", "decode_attention<float, 64, 4>"),
+        (torch.bfloat16, "prefill_attention_tc<bf16_t, 64>", "decode_attention<bf16_t, 64, 4>"),
+    ],
+)
+def test_windowed_mixed_decode_and_prefill_batch(loader, dtype, prefill_kernel, decode_kernel):
+    case = windowed_case(
+        [33, 16, 17, 700, 90, 5],
+        [2, 16, 1, 1, 40, 0],
+        24,
+        dtype=dtype,
+        num_padding_tokens=3,
+    )
+    assert_window_matters(case)
+    assert_windowed_output(case, attend(case))
+    assert {prefill_kernel, decode_kernel} <= launched(loader)
+
+
+def test_null_block_before_the_window_is_never_read(loader):
+    """Blocks wholly before the window are block 0, whose K and V are NaN (as are the replaced
+    blocks and the slots before the window in the block straddling it): the output stays finite
+    and equal to the reference; the same batch without the window does read them."""
+    case = windowed_case([700, 90, 40], [1, 40, 1], 24, dtype=torch.bfloat16)
+    block_table = case.metadata.block_table
+    assert block_table[0, :42].eq(0).all() and block_table[0, 42] != 0  # 700 - 24 + 1 = 677
+    assert block_table[1, :1].eq(0).all() and block_table[1, 1] != 0  # 50 - 24 + 1 = 27
+    assert torch.isnan(case.kv_cache[:, 0]).all()
+    out = attend(case)
+    assert torch.isfinite(out[: case.num_real_tokens]).all()
+    assert_windowed_output(case, out)
+    unwindowed = cuda_backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    assert torch.isnan(unwindowed[: case.num_real_tokens]).any()
+
+
+def test_write_kv_and_attend_runs_windowed_layers_on_the_kernels(loader, monkeypatch):
+    """No detour through the torch reference: the window goes to the CUDA kernels."""
+    case = windowed_case([90, 300, 20], [40, 1, 1], 24)
+    monkeypatch.setattr(attention, "select_backend", lambda device: cuda_backend)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_reference, "paged_attention", None)  # any call would fail
+        out = attention.write_kv_and_attend(
+            case.query, case.key, case.value, case.kv_cache, case.metadata, case.scale, 24
+        )
+    assert_windowed_output(case, out)
+    assert {"prefill_attention<float, 64>", "decode_attention<float, 64, 4>"} <= launched(loader)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2**31])
+def test_invalid_window_is_rejected_with_its_value(loader, window):
+    case = make_case([4], [4], 4, 2, 64)
+    with pytest.raises(ValueError, match=f"sliding_window={window}"):
+        cuda_backend.paged_attention(
+            case.query, case.kv_cache, case.metadata, case.scale, sliding_window=window
+        )

@@ -14,7 +14,13 @@ from kernels import cuda_backend, select_backend, torch_reference, write_kv_and_
 from kernels import launch_config as lc
 from kernels.module_loader import default_loader
 from kernels.warmup import warmup
-from tests.paged_attention_cases import assert_close_to_reference, make_case, write_new_tokens
+from tests.paged_attention_cases import (
+    assert_close_to_reference,
+    assert_matches_torch_reference,
+    drop_keys_before_window,
+    make_case,
+    write_new_tokens,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,7 +34,13 @@ ALL_DTYPES = [torch.float32, *HALF_DTYPES]
 
 def attend(case) -> torch.Tensor:
     out = write_kv_and_attend(
-        case.query, case.key, case.value, case.kv_cache, case.metadata, case.scale
+        case.query,
+        case.key,
+        case.value,
+        case.kv_cache,
+        case.metadata,
+        case.scale,
+        sliding_window=case.sliding_window,
     )
     torch.cuda.synchronize()
     return out
@@ -107,6 +119,69 @@ def test_long_context_single_request_bf16():
 def test_long_prefill_chunk_over_long_context_bf16():
     case = make_case([3000, 1], [700, 1], 32, 8, 128, dtype=torch.bfloat16, device=DEVICE)
     assert_close_to_reference(case, attend(case))
+
+
+def windowed_case(seq_lens, q_lens, window, num_heads=8, num_kv_heads=2, head_dim=128, **kwargs):
+    """A case on the GPU whose blocks before each request's window are the null block, NaN."""
+    case = make_case(
+        seq_lens,
+        q_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        device=DEVICE,
+        sliding_window=window,
+        **kwargs,
+    )
+    drop_keys_before_window(case)
+    return case
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens", "window"),
+    [
+        pytest.param([40, 70, 33, 17], [1, 1, 1, 1], 20, id="decode-straddles-blocks"),
+        pytest.param([1, 16, 17, 40], [1, 1, 1, 1], 1, id="decode-window-1"),
+        pytest.param([150, 70, 9, 300], [100, 20, 9, 64], 7, id="prefill-window-7"),
+        pytest.param([150, 70, 9, 300], [100, 70, 9, 64], 100, id="prefill-window-100"),
+        pytest.param([33, 16, 17, 700, 90, 5], [2, 16, 1, 1, 40, 0], 24, id="mixed"),
+        pytest.param([3000, 1, 900], [700, 1, 1], 512, id="long-chunk-and-decodes"),
+    ],
+)
+def test_sliding_window(seq_lens, q_lens, window, dtype):
+    """Through write_kv_and_attend: the kernels take the window, keys before it stay unread."""
+    case = windowed_case(seq_lens, q_lens, window, dtype=dtype, num_padding_tokens=3)
+    out = attend(case)
+    assert_close_to_reference(case, out)
+    assert_matches_torch_reference(case, out)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_sliding_window_split_kv(dtype):
+    """Splits partition the window's keys; contexts around a split boundary and past it."""
+    window, num_reqs, max_seq_len = 4096, 6, 9000
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    launch = lc.decode_launch(num_reqs, 4, 1, 128, max_seq_len, num_sms, sliding_window=window)
+    assert launch.needs_merge
+    kps = launch.keys_per_split
+    seq_lens = [kps - 1, kps, kps + 1, window, window + 1, max_seq_len]
+    case = windowed_case(seq_lens, [1] * num_reqs, window, 4, 1, dtype=dtype)
+    out = attend(case)
+    assert_close_to_reference(case, out)
+    assert_matches_torch_reference(case, out)
+
+
+def test_sliding_window_never_reads_the_null_block():
+    case = windowed_case([700, 90, 40], [1, 40, 1], 24, dtype=torch.bfloat16)
+    assert case.metadata.block_table[0, :42].eq(0).all()
+    assert torch.isnan(case.kv_cache[:, 0]).all()
+    out = attend(case)
+    assert torch.isfinite(out[: case.num_real_tokens]).all()
+    assert_close_to_reference(case, out)
+    unwindowed = cuda_backend.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    torch.cuda.synchronize()
+    assert torch.isnan(unwindowed[: case.num_real_tokens]).any()
 
 
 def test_poisoned_slots_never_leak():

@@ -41,6 +41,35 @@ def test_short_contexts_are_not_split():
     assert lc.decode_launch(1, 8, 1, 64, 0, H100_SMS).num_splits == 1
 
 
+def test_decode_splits_are_sized_by_the_sliding_window():
+    """A windowed query attends to min(seq_len, window) keys: that, not the context, sets splits."""
+    full = lc.decode_launch(1, 32, 8, 128, 32768, H100_SMS)
+    windowed = lc.decode_launch(1, 32, 8, 128, 32768, H100_SMS, sliding_window=4096)
+    assert (full.num_splits, full.keys_per_split) == (64, 512)
+    assert (windowed.num_splits, windowed.keys_per_split) == (16, 256)  # 4096 / 256 keys
+    assert windowed.num_splits * windowed.keys_per_split >= 4096
+    assert lc.decode_launch(1, 32, 8, 128, 32768, H100_SMS, sliding_window=300).num_splits == 1
+    wide = lc.decode_launch(1, 32, 8, 128, 1000, H100_SMS, sliding_window=5000)
+    assert wide == lc.decode_launch(1, 32, 8, 128, 1000, H100_SMS)
+
+
+def test_max_attended_keys():
+    assert lc.max_attended_keys(1000, None) == 1000
+    assert lc.max_attended_keys(1000, 24) == 24
+    assert lc.max_attended_keys(10, 24) == 10
+
+
+@pytest.mark.parametrize("window", [0, -1, 2**31])
+def test_bad_sliding_windows_are_rejected_with_the_limit(window):
+    with pytest.raises(ValueError, match=f"sliding_window={window}.*{2**31 - 1}"):
+        lc.check_sliding_window(window)
+
+
+def test_sliding_window_argument():
+    assert lc.check_sliding_window(None) == 0
+    assert lc.check_sliding_window(512) == 512
+
+
 def test_split_threshold_is_two_ctas_per_sm():
     policy = lc.SplitPolicy()
     just_enough = policy.min_ctas_per_sm * H100_SMS
