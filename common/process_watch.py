@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -37,6 +38,33 @@ def exit_when_orphaned(
     thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+def exit_when_disconnected(fd: int, grace_s: float, what: str) -> threading.Event:
+    """Starts a daemon thread that, once the stream socket `fd` reports its peer gone (closed,
+    reset, or a TCP keepalive timeout), logs that `what` is gone, sends this process SIGTERM and
+    hard-exits if it is still alive `grace_s` later: `exit_when_orphaned` for a process whose
+    parent is at the other end of a connection. It never reads, so the owner keeps using `fd`.
+    Set the returned event before closing `fd`; the watch then ends."""
+    stopped = threading.Event()
+    gone_events = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, gone_events)
+        while True:
+            events = poller.poll(PARENT_POLL_INTERVAL_S * 1000)
+            if stopped.is_set() or any(e & select.POLLNVAL for _, e in events):
+                return
+            if any(e & gone_events for _, e in events):
+                break
+        logger.warning("%s is gone; exiting", what)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="link-watch", daemon=True).start()
+    return stopped
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float) -> int:

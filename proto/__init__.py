@@ -25,7 +25,10 @@ from proto.worker_messages import (
     SchedulerOutput,
     Shutdown,
     WorkerError,
+    WorkerHello,
     WorkerReady,
+    WorkerRejected,
+    WorkerWelcome,
 )
 
 __all__ = [
@@ -53,5 +56,8 @@ __all__ = [
     "UtilityRequest",
     "UtilityResponse",
     "WorkerError",
+    "WorkerHello",
     "WorkerReady",
+    "WorkerRejected",
+    "WorkerWelcome",
 ]

@@ -27,7 +27,10 @@ from proto.worker_messages import (
     SchedulerOutput,
     Shutdown,
     WorkerError,
+    WorkerHello,
     WorkerReady,
+    WorkerRejected,
+    WorkerWelcome,
 )
 
 MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
@@ -45,6 +48,9 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     KVCacheReady,
     Shutdown,
     WorkerError,
+    WorkerHello,
+    WorkerWelcome,
+    WorkerRejected,
 )
 TYPE_TO_CODE: dict[type, bytes] = {t: bytes([i]) for i, t in enumerate(MESSAGE_TYPES)}
 

@@ -2,6 +2,8 @@
 
 The frontend binds, the core connects, and both derive the pair from the same single address, so
 `python -m core --frontend-address ADDR` and `AsyncCoreClient(config, ADDR)` always agree.
+Also the one reading of a TCP address (`tcp://HOST:PORT`) for the links of workers on other
+hosts (`parse_tcp_address`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,31 @@ def frontend_endpoints(address: str) -> FrontendEndpoints:
         port = int(port_text)
         return FrontendEndpoints(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}")
     raise ValueError(f"frontend address must start with ipc:// or tcp://, got {address!r}")
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+
+
+def parse_tcp_address(address: str, what: str = "address") -> tuple[str, int]:
+    """`tcp://HOST:PORT` or `HOST:PORT` (an IPv6 host in brackets: `[::1]:PORT`) -> (HOST, PORT).
+
+    ValueError naming `what` for anything else, or a port outside [1, 65535]; a host "*" reads
+    as "0.0.0.0" (every interface).
+    """
+    host, sep, port_text = address.removeprefix("tcp://").rpartition(":")
+    if "://" in address and not address.startswith("tcp://"):
+        sep = ""
+    if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(
+            f"{what} must be tcp://HOST:PORT (or HOST:PORT) with 0 < PORT < 65536, got {address!r}"
+        )
+    host = host.removeprefix("[").removesuffix("]")
+    return ("0.0.0.0" if host in ("*", "") else host), int(port_text)
+
+
+def is_wildcard_host(host: str) -> bool:
+    """True for a host that means "every interface" when bound, and no one host to reach."""
+    return host in WILDCARD_HOSTS
 
 
 def remove_dead_frontend_sockets(address: str) -> None:

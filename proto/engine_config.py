@@ -1,19 +1,22 @@
 """`EngineConfig`: the one flat, validated configuration the frontend hands to the engine core.
 
 It crosses process boundaries twice (frontend -> core -> workers) as base64 msgpack on the
-child's command line, so it lives in `proto/`. Every instance has passed `__post_init__`,
-whether built in Python, decoded from argv, or assembled from CLI flags.
+child's command line (or, to a worker on another host, inside `WorkerWelcome`), so it lives in
+`proto/`. Every instance has passed `__post_init__`, whether built in Python, decoded from argv,
+or assembled from CLI flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from common.dtypes import DTYPE_NAMES
+from proto.endpoints import is_wildcard_host, parse_tcp_address
 
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
@@ -34,6 +37,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_frame_bytes: the engine core refuses larger frames from the frontend (and the client
     larger frames from the core); the core <-> worker link is internal and has no frame limit
     of its own below the pipe's payload cap (`MessagePipe`: 4 GiB - 1, a u32 length).
+    num_local_workers: ranks 0..K-1 are the core's child processes; ranks K..N-1 (N =
+    tensor_parallel_size) run on other hosts and connect to `worker_address` (tcp://HOST:PORT
+    the core listens on). None = every rank local.
+    dist_init_address: tcp://HOST:PORT of torch.distributed's rendezvous, served by rank 0's host;
+    None = 127.0.0.1 with a free port when every rank is local, else `worker_address`'s host.
     """
 
     model: str | None = None
@@ -49,6 +57,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    num_local_workers: int | None = None
+    worker_address: str | None = None
+    dist_init_address: str | None = None
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     seed: int = 0
@@ -100,6 +111,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}), "
             f"got {self.data_parallel_rank}",
         )
+        self._check_worker_placement()
         _check(
             self.long_prefill_token_threshold >= 0,
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
@@ -116,6 +128,63 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     @property
     def is_null_model(self) -> bool:
         return self.model == NULL_MODEL
+
+    @property
+    def num_local_ranks(self) -> int:
+        """Ranks the core starts as its own children: 0..num_local_ranks-1."""
+        if self.num_local_workers is None:
+            return self.tensor_parallel_size
+        return self.num_local_workers
+
+    @property
+    def remote_ranks(self) -> range:
+        """Ranks that join from other hosts over TCP at `worker_address`."""
+        return range(self.num_local_ranks, self.tensor_parallel_size)
+
+    def _check_worker_placement(self) -> None:
+        tp = self.tensor_parallel_size
+        _check(
+            self.num_local_workers is None or 0 <= self.num_local_workers <= tp,
+            f"num_local_workers must be in [0, tensor_parallel_size={tp}], "
+            f"got {self.num_local_workers}",
+        )
+        if self.dist_init_address is not None:
+            parse_tcp_address(self.dist_init_address, "dist_init_address")
+        if not self.remote_ranks:
+            _check(
+                self.worker_address is None,
+                f"worker_address={self.worker_address!r} is set, but every rank is local "
+                f"(num_local_workers={self.num_local_ranks}, tensor_parallel_size={tp}); "
+                "lower num_local_workers to have the other ranks join over TCP",
+            )
+            return
+        _check(
+            self.worker_address is not None,
+            f"{describe_ranks(self.remote_ranks)} of {tp} run on other hosts "
+            f"(num_local_workers={self.num_local_ranks} < tensor_parallel_size={tp}), so "
+            "worker_address (tcp://HOST:PORT for the core to listen on) must be set",
+        )
+        host, _ = parse_tcp_address(self.worker_address, "worker_address")
+        _check(
+            self.data_parallel_size == 1,
+            "workers on other hosts join one engine core (one worker_address), so "
+            f"data_parallel_size must be 1 with num_local_workers < tensor_parallel_size, "
+            f"got {self.data_parallel_size}",
+        )
+        if self.dist_init_address is not None:
+            return
+        _check(
+            self.num_local_ranks > 0,
+            "num_local_workers=0 puts rank 0, whose host serves the torch.distributed "
+            "rendezvous, on another host: set dist_init_address=tcp://RANK0_HOST:PORT",
+        )
+        _check(
+            not is_wildcard_host(host),
+            f"worker_address={self.worker_address!r} listens on every interface, so it names "
+            "no address the other hosts can reach for the torch.distributed rendezvous: set "
+            "dist_init_address=tcp://HOST:PORT (HOST an address of this host they reach), or "
+            "listen on that address",
+        )
 
     def to_b64(self) -> str:
         """Base64 msgpack, safe to pass as one argv element."""
@@ -186,6 +255,15 @@ FIELD_HELP = {
         "holding their prefix, else the least loaded"
     ),
     "data_parallel_rank": "which of the data-parallel engine cores this is (set by the frontend)",
+    "num_local_workers": (
+        "ranks started here (0..K-1); the others join from other hosts at --worker-address "
+        "(None: every rank)"
+    ),
+    "worker_address": "tcp://HOST:PORT to listen on for workers on other hosts",
+    "dist_init_address": (
+        "tcp://HOST:PORT of torch.distributed's rendezvous on rank 0's host (None: 127.0.0.1, "
+        "or --worker-address's host when ranks are remote; a free port)"
+    ),
     "long_prefill_token_threshold": "most prompt tokens one request gets per step (0: no cap)",
     "policy": "fcfs or priority",
     "seed": "engine seed",
@@ -201,6 +279,16 @@ FIELD_HELP = {
         "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"
     ),
 }
+
+
+def describe_ranks(ranks: Sequence[int]) -> str:
+    """ "rank 3", "ranks 1..3" for a run, "ranks 1, 3" otherwise."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}..{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def _check(condition: bool, message: str) -> None:

@@ -3,14 +3,23 @@
 Core -> workers (broadcast): `InitKVCache` once, then `SchedulerOutput` per step, `Shutdown`.
 Workers -> core: `WorkerReady` once (after model load and memory profiling), then rank 0's
 `ModelRunnerOutput` per step, or `WorkerError`.
+
+A worker on another host opens the link itself: it connects to the core's worker address and
+sends `WorkerHello`; the core answers `WorkerWelcome` (the engine's config and the
+torch.distributed rendezvous) or `WorkerRejected` and a close. From then on the link is the same.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from proto.engine_config import EngineConfig
 from proto.engine_messages import TokenLogprobs
 from proto.sampling_params import SamplingParams
+
+WORKER_PROTOCOL_VERSION = 1
+"""Raised whenever a message of this link changes shape (EngineConfig included): a worker on
+another host runs its own copy of the engine, and the core admits only its own version."""
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -118,3 +127,25 @@ class Shutdown(msgspec.Struct, array_like=True, gc=False):
 class WorkerError(msgspec.Struct, array_like=True, gc=False):
     rank: int
     message: str
+
+
+class WorkerHello(msgspec.Struct, array_like=True, gc=False):
+    """A worker on another host, first thing after connecting: the rank it wants to be."""
+
+    rank: int
+    world_size: int
+    protocol_version: int
+
+
+class WorkerWelcome(msgspec.Struct, array_like=True, gc=False):
+    """The core took a `WorkerHello`: what to build, and where the ranks meet for
+    torch.distributed (`tcp://HOST:PORT`, rank 0's host)."""
+
+    config: EngineConfig
+    dist_init_address: str
+
+
+class WorkerRejected(msgspec.Struct, array_like=True, gc=False):
+    """The core refused a `WorkerHello`; it closes the connection right after."""
+
+    reason: str

@@ -17,8 +17,10 @@ from proto.message_pipe import (
     HEADER,
     READ_BUFFER_BYTES,
     MessagePipe,
+    PayloadTooLargeError,
     PeerClosedError,
     PipeBrokenError,
+    configure_tcp_link,
     pipe_pair,
 )
 
@@ -204,3 +206,42 @@ def test_a_child_that_dies_closes_the_pipe_at_once():
     finally:
         child.wait()
         pipe.close()
+
+
+@pytest.fixture
+def tcp_pipes():
+    """Two ends of a loopback TCP connection set up as the core <-> remote worker link."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    for sock in (client, accepted):
+        configure_tcp_link(sock)
+    left, right = MessagePipe(client, 5.0), MessagePipe(accepted, 5.0)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def test_the_same_framing_runs_over_tcp_and_a_closed_peer_is_seen_without_a_read(tcp_pipes):
+    left, right = tcp_pipes
+    left.send([b"\x03", b"last words"])
+    assert not right.peer_closed()
+    left.close()
+    deadline = time.monotonic() + 5
+    while not right.peer_closed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert right.peer_closed() and right.has_unread_bytes()  # closed, but a message waits
+    code, payload = right.recv()
+    assert (bytes(code), bytes(payload)) == (b"\x03", b"last words")
+    assert not right.has_unread_bytes()  # only the end of the stream is left
+    with pytest.raises(PeerClosedError):
+        right.recv()
+
+
+def test_a_header_announcing_more_than_the_caller_accepts_is_refused_unread(tcp_pipes):
+    left, right = tcp_pipes
+    left.send([b"\x01", b"x" * 100])
+    with pytest.raises(PayloadTooLargeError, match="announced 100 bytes, over the limit of 99"):
+        right.recv(max_payload_bytes=99)
+    with pytest.raises(PipeBrokenError):
+        right.recv()

@@ -1,11 +1,18 @@
-"""`python -m worker ...`: one device process, started by the engine core's Executor.
+"""`python -m worker ...`: one device process, started by the engine core's Executor, or by
+hand (ssh, a cluster launcher) on another host.
 
-Protocol (over the `MessagePipe` whose end the core passes as `--pipe-fd`): load the model and
-profile memory, send `WorkerReady`; on `InitKVCache` allocate and send `KVCacheReady`; on each
-`SchedulerOutput` run one step (rank 0 sends the `ModelRunnerOutput`); on `Shutdown` exit 0. Any
-exception is sent as `WorkerError` and the process exits 1. SIGINT is ignored (the core decides
-when workers stop). A dead core closes the pipe, which ends a worker waiting for a message at
-once; a worker busy loading a model notices within a second.
+Local (the Executor's child): `--pipe-fd FD --dist-init-address ADDR --config B64`; the pipe is
+a socketpair end the core passed down. Remote: `--core-address tcp://HOST:PORT` only; the worker
+connects to the core, says `WorkerHello` and gets the config and the torch.distributed address
+in `WorkerWelcome` (see `worker.core_link`), or the core's reason for refusing it (exit 1).
+
+Protocol (over the `MessagePipe`, either kind): load the model and profile memory, send
+`WorkerReady`; on `InitKVCache` allocate and send `KVCacheReady`; on each `SchedulerOutput` run
+one step (rank 0 sends the `ModelRunnerOutput`); on `Shutdown` exit 0. Any exception is sent as
+`WorkerError` and the process exits 1. A local worker ignores SIGINT (the core decides when
+workers stop). A dead core closes the pipe, which ends a worker waiting for a message at once;
+a worker busy loading a model notices within a second (a local one by its parent's exit, a
+remote one by its connection's end, or, when the core's host vanished, by TCP keepalive).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import signal
 import sys
 import time
 
-from common.process_watch import exit_when_orphaned
+from common.process_watch import exit_when_disconnected, exit_when_orphaned
 from proto import (
     InitKVCache,
     KVCacheReady,
@@ -28,8 +35,10 @@ from proto import (
     Shutdown,
     WorkerError,
 )
+from proto.endpoints import parse_tcp_address
 from proto.engine_config import EngineConfig
 from proto.message_pipe import MessagePipe, PeerClosedError
+from worker.core_link import JoinError, join_core
 from worker.host_allocator import keep_freed_memory
 from worker.worker_factory import describe_worker, make_worker, worker_ready
 
@@ -37,43 +46,76 @@ logger = logging.getLogger("worker")
 
 # An orphaned worker gets SIGTERM (which it does not handle) and is hard-exited this much later.
 ORPHAN_EXIT_GRACE_S = 1.0
+# How long a remote worker keeps trying to reach its core (which may start after it).
+DEFAULT_CONNECT_TIMEOUT_S = 300.0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    config = EngineConfig.from_b64(args.config)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s worker[{args.rank}] %(levelname)s %(message)s"
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if args.core_address is None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        exit_when_orphaned(os.getppid(), ORPHAN_EXIT_GRACE_S)
+        config = EngineConfig.from_b64(args.config)
+        pipe = MessagePipe.from_fd(args.pipe_fd)
+        dist_init_address = args.dist_init_address
+        stop_link_watch = None
+    else:
+        try:
+            pipe, welcome = join_core(
+                args.core_address, args.rank, args.world_size, args.connect_timeout_s
+            )
+        except JoinError as exc:
+            logger.error("worker rank %d cannot join: %s", args.rank, exc)
+            return 1
+        config, dist_init_address = welcome.config, welcome.dist_init_address
+        logger.info(
+            "worker rank %d joined the engine core at %s (torch.distributed at %s)",
+            args.rank,
+            args.core_address,
+            dist_init_address,
+        )
+        what = f"the engine core at {args.core_address}"
+        stop_link_watch = exit_when_disconnected(pipe.fileno(), ORPHAN_EXIT_GRACE_S, what)
     keep_freed_memory()
-    exit_when_orphaned(os.getppid(), ORPHAN_EXIT_GRACE_S)
-    _export_distributed_env(args.dist_init_address, args.rank, args.world_size)
+    _export_distributed_env(dist_init_address, args.rank, args.world_size)
+    try:
+        return _run(config, args.rank, args.world_size, pipe)
+    except KeyboardInterrupt:  # Ctrl-C on a worker started by hand
+        logger.warning("worker rank %d interrupted", args.rank)
+        return 130
+    finally:
+        if stop_link_watch is not None:
+            stop_link_watch.set()
+        pipe.close()
 
-    pipe = MessagePipe.from_fd(args.pipe_fd)
+
+def _run(config: EngineConfig, rank: int, world_size: int, pipe: MessagePipe) -> int:
+    """Loads the worker, says ready and serves until Shutdown (0), a failure or the core's end
+    (1)."""
     encoder = MessageEncoder()
     try:
         start = time.monotonic()
-        worker = make_worker(config, args.rank, args.world_size)
+        worker = make_worker(config, rank, world_size)
         worker.load_model()
-        _share_cpu_cores(config, worker, args.world_size)
-        ready = worker_ready(worker, args.rank)
+        _share_cpu_cores(config, worker, world_size)
+        ready = worker_ready(worker, rank)
         logger.info(describe_worker(worker, ready, time.monotonic() - start))
         pipe.send(encoder.encode(ready))
-        _serve(worker, args.rank, pipe, encoder)
-        _leave_process_group(config, args.world_size)
+        _serve(worker, rank, pipe, encoder)
+        _leave_process_group(config, world_size)
         return 0
-    except PeerClosedError:
-        logger.warning("worker rank %d exits: the engine core closed the pipe", args.rank)
+    except PeerClosedError as exc:
+        logger.warning("worker rank %d exits: the engine core closed the pipe (%s)", rank, exc)
         return 1
     except Exception as exc:
-        logger.exception("worker rank %d failed", args.rank)
+        logger.exception("worker rank %d failed", rank)
         message = f"{type(exc).__name__}: {exc}"
         with contextlib.suppress(OSError):
-            pipe.send(encoder.encode(WorkerError(args.rank, message)))
+            pipe.send(encoder.encode(WorkerError(rank, message)))
         return 1
-    finally:
-        pipe.close()
 
 
 def _serve(worker, rank: int, pipe: MessagePipe, encoder: MessageEncoder) -> None:
@@ -113,10 +155,10 @@ def _leave_process_group(config: EngineConfig, world_size: int) -> None:
 
 def _export_distributed_env(dist_init_address: str, rank: int, world_size: int) -> None:
     """torch.distributed's env:// rendezvous variables, for tensor-parallel workers."""
-    host, _, port = dist_init_address.removeprefix("tcp://").rpartition(":")
+    host, port = parse_tcp_address(dist_init_address, "the torch.distributed address")
     os.environ.update(
         MASTER_ADDR=host,
-        MASTER_PORT=port,
+        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -124,15 +166,46 @@ def _export_distributed_env(dist_init_address: str, rank: int, world_size: int) 
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument(
-        "--pipe-fd", type=int, required=True, help="this process's end of the core's MessagePipe"
+        "--core-address",
+        default=None,
+        help="tcp://HOST:PORT of the engine core's --worker-address: join it from this host "
+        "(instead of --pipe-fd, --dist-init-address and --config)",
     )
-    parser.add_argument("--dist-init-address", required=True, help="tcp://HOST:PORT")
-    parser.add_argument("--config", required=True, help="EngineConfig.to_b64()")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        help="with --core-address: how long to keep trying to reach the core "
+        f"(default: {DEFAULT_CONNECT_TIMEOUT_S:.0f})",
+    )
+    parser.add_argument("--pipe-fd", type=int, help="this process's end of the core's MessagePipe")
+    parser.add_argument("--dist-init-address", help="tcp://HOST:PORT")
+    parser.add_argument("--config", help="EngineConfig.to_b64()")
+    args = parser.parse_args(argv)
+    local_flags = {
+        "--pipe-fd": args.pipe_fd,
+        "--dist-init-address": args.dist_init_address,
+        "--config": args.config,
+    }
+    if args.core_address is not None:
+        given = [flag for flag, value in local_flags.items() if value is not None]
+        if given:
+            parser.error(f"--core-address takes the rest from the core; drop {', '.join(given)}")
+    else:
+        missing = [flag for flag, value in local_flags.items() if value is None]
+        if missing:
+            parser.error(f"give --core-address, or all of {', '.join(local_flags)}")
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f"--rank must be in [0, --world-size={args.world_size}), got {args.rank}")
+    return args
 
 
 if __name__ == "__main__":
