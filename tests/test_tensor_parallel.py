@@ -42,7 +42,6 @@ from worker.memory_profiler import KV_CACHE_MEMORY_BYTES_ENV, kv_cache_memory_by
 from worker.model_loader import load_model
 from worker.models import LlamaForCausalLM
 from worker.parallel_state import (
-    check_gpu_count,
     destroy_distributed,
     init_distributed,
     share_cpu_threads,
@@ -108,15 +107,22 @@ def one_torch_thread():
 
 
 def test_cuda_ranks_need_one_gpu_each(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    check_gpu_count(1)
+    from worker.worker import resolve_device
+    from worker.worker_factory import device_rank
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    assert resolve_device("cuda", 1) == torch.device("cuda", 1)
     with pytest.raises(
         ValueError,
-        match=r"tensor_parallel_size=2 needs one GPU per rank, but torch sees 1 "
-        r"\(CUDA_VISIBLE_DEVICES=3\); lower tensor_parallel_size to at most 1",
+        match=r"this worker needs GPU 2 of its host .*--local-rank for a worker started on "
+        r"another host\), but torch sees 2 \(CUDA_VISIBLE_DEVICES=3,4\)",
     ):
-        check_gpu_count(2)
+        resolve_device("cuda", 2)
+    # Data-parallel core 1 of tensor parallel 2 takes GPUs 2 and 3 of its host.
+    config = EngineConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=1)
+    assert [device_rank(config, rank) for rank in (0, 1)] == [2, 3]
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch):

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     _export_distributed_env(dist_init_address, args.rank, args.world_size)
     try:
-        return _run(config, args.rank, args.world_size, pipe)
+        return _run(config, args.rank, args.world_size, pipe, args.local_rank)
     except KeyboardInterrupt:  # Ctrl-C on a worker started by hand
         logger.warning("worker rank %d interrupted", args.rank)
         return 130
@@ -92,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         pipe.close()
 
 
-def _run(config: EngineConfig, rank: int, world_size: int, pipe: MessagePipe) -> int:
+def _run(
+    config: EngineConfig, rank: int, world_size: int, pipe: MessagePipe, local_rank: int | None
+) -> int:
     """Loads the worker, says ready and serves until Shutdown (0), a failure or the core's end
     (1)."""
     encoder = MessageEncoder()
     try:
         start = time.monotonic()
-        worker = make_worker(config, rank, world_size)
+        worker = make_worker(config, rank, world_size, local_rank)
         worker.load_model()
         _share_cpu_cores(config, worker, world_size)
         ready = worker_ready(worker, rank)
@@ -178,6 +180,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="tcp://HOST:PORT of the engine core's --worker-address: join it from this host "
         "(instead of --pipe-fd, --dist-init-address and --config)",
+    )
+    parser.add_argument(
+        "--local-rank",
+        type=int,
+        default=None,
+        help="with --core-address on CUDA: this rank's GPU index on its host (default: the "
+        "rank itself, right only when the host runs ranks 0..)",
     )
     parser.add_argument(
         "--connect-timeout-s",

@@ -45,17 +45,14 @@ def init_distributed(
     """Joins the default process group as `rank` of `world_size`; no-op at world_size 1 or when
     a group already exists (the caller set one up).
 
-    On CUDA each rank needs its own GPU (GPUs 0..N-1 of those `CUDA_VISIBLE_DEVICES` shows);
-    ValueError when there are fewer. On CPU the host's cores are shared out between the ranks
+    On CUDA each rank has its own GPU (`worker.resolve_device` checks it). On CPU the host's cores are shared out between the ranks
     (unless `OMP_NUM_THREADS` is set), so waiting ranks do not spin on cores the others need.
     """
     if world_size == 1 or dist.is_initialized():
         return
     if device.type not in DEVICE_TYPE_TO_BACKEND:
         raise ValueError(f"tensor parallelism runs on cpu or cuda devices, not {device.type!r}")
-    if device.type == "cuda":
-        check_gpu_count(world_size)
-    else:
+    if device.type == "cpu":
         share_cpu_threads(world_size)
         _choose_gloo_interface()
     dist.init_process_group(
@@ -118,18 +115,6 @@ def destroy_distributed() -> None:
     """Leaves the process group, if this process is in one."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def check_gpu_count(world_size: int) -> None:
-    """ValueError unless torch sees at least `world_size` GPUs (one per rank)."""
-    num_gpus = torch.cuda.device_count()
-    if world_size > num_gpus:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        raise ValueError(
-            f"tensor_parallel_size={world_size} needs one GPU per rank, but torch sees "
-            f"{num_gpus} (CUDA_VISIBLE_DEVICES={visible}); lower tensor_parallel_size to at "
-            f"most {num_gpus}"
-        )
 
 
 def share_cpu_threads(world_size: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -270,7 +271,8 @@ class Worker:
 
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
-    """ "auto" -> cuda if available else cpu; "cuda" -> this rank's GPU; "cuda:N" as given."""
+    """ "auto" -> cuda if available else cpu; "cuda" -> GPU `rank` of those this host shows
+    (ValueError when it shows fewer; ranks never share a GPU); "cuda:N" as given."""
     name = device.split(":", 1)[0]
     if name not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES} (or 'cuda:N'), got {device!r}")
@@ -286,7 +288,15 @@ def resolve_device(device: str, rank: int = 0) -> torch.device:
         )
     if ":" in device:
         return torch.device(device)
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    num_gpus = torch.cuda.device_count()
+    if rank >= num_gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise ValueError(
+            f"this worker needs GPU {rank} of its host (one GPU per rank: data_parallel_rank x "
+            f"tensor_parallel_size + rank, or --local-rank for a worker started on another "
+            f"host), but torch sees {num_gpus} (CUDA_VISIBLE_DEVICES={visible})"
+        )
+    return torch.device("cuda", rank)
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:

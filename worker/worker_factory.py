@@ -10,7 +10,9 @@ from proto import WorkerReady
 from proto.engine_config import EngineConfig
 
 
-def make_worker(config: EngineConfig, rank: int = 0, world_size: int = 1):
+def make_worker(
+    config: EngineConfig, rank: int = 0, world_size: int = 1, local_rank: int | None = None
+):
     """The NullWorker for model "null" (no torch import), else the real Worker (whose CPU KV
     budget CORE_ENGINE_KV_CACHE_MEMORY_BYTES may set, per rank). The model is not loaded yet."""
     extra_kwargs = {}
@@ -35,7 +37,7 @@ def make_worker(config: EngineConfig, rank: int = 0, world_size: int = 1):
         seed=config.seed,
         enforce_eager=config.enforce_eager,
         disable_hybrid_kv_cache=config.disable_hybrid_kv_cache,
-        device_rank=device_rank(config, rank),
+        device_rank=device_rank(config, rank) if local_rank is None else local_rank,
         **extra_kwargs,
     )
 
