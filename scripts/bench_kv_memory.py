@@ -37,7 +37,6 @@ import math
 import os
 import random
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,25 +213,12 @@ def long_prompt_workload(llm, shape: ThroughputShape, seed: int) -> GenerationWo
     )
 
 
-def generate_timed(llm, workload: GenerationWorkload) -> tuple[float, list[list[int]]]:
-    """(seconds, output token ids per prompt) of one greedy, ignore_eos `generate` call."""
-    from frontend import SamplingParams as FrontendSamplingParams
-
-    params = [
-        FrontendSamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        for n in workload.max_tokens
-    ]
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
-    elapsed_s = time.perf_counter() - start
-    return elapsed_s, [list(output.outputs[0].token_ids) for output in outputs]
-
-
 def measure_throughput(
     model_path: Path, model_shape: ModelShape, shape: ThroughputShape, args: argparse.Namespace
 ) -> dict:
     """Hybrid vs all-full `LLM.generate` on one workload and one KV block budget."""
     from frontend import LLM
+    from scripts.bench_offline import run_engine
 
     context = shape.prompt_tokens + shape.max_tokens
     bytes_per_block = model_shape.bytes_per_block(args.dtype_bytes)
@@ -258,7 +244,7 @@ def measure_throughput(
         os.environ[KV_CACHE_MEMORY_BYTES_ENV] = str(budget_bytes)
         with LLM(str(model_path), disable_hybrid_kv_cache=not hybrid, **engine_args) as llm:
             workload = long_prompt_workload(llm, shape, args.seed)
-            elapsed_s, outputs[name] = generate_timed(llm, workload)
+            elapsed_s, outputs[name] = run_engine(llm, workload)
         record[name] = {
             "seconds": elapsed_s,
             "output_tokens_per_s": workload.num_output_tokens / elapsed_s,
