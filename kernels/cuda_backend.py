@@ -92,9 +92,10 @@ def paged_attention(
 
     With `sliding_window` W (a positive int32; None = no window) the query at position p sees
     only keys p - W + 1 .. p, as in `torch_reference.paged_attention`; keys before a window are
-    never read. Requests with one query token go to the decode kernel (split-KV when the batch
-    is too small to fill the GPU), the others to the prefill kernel (tensor cores for fp16/bf16
-    with head_dim % 16 == 0, CUDA cores otherwise); a mixed batch runs both. Returns `out`
+    never read. Requests with one query token go to the decode kernel (tensor cores for fp16/bf16
+    GQA groups of >= 4 heads; split-KV when the batch is too small to fill the GPU), the others
+    to the prefill kernel (tensor cores for fp16/bf16 with head_dim % 16 == 0, CUDA cores
+    otherwise); a mixed batch runs both. Returns `out`
     (allocated like query when None); rows of tokens outside every request are left untouched.
     """
     num_tokens, num_heads, head_dim = (int(s) for s in query.shape)
@@ -179,12 +180,14 @@ def _run_decode(batch: _Batch, max_seq_len: int) -> None:
         max_seq_len,
         _num_sms(batch.device.index),
         sliding_window=batch.sliding_window or None,
+        dtype_name=batch.dtype_name,
     )
     loader = default_loader()
-    name = lc.decode_kernel_name(batch.dtype_name, batch.head_dim, launch.heads_per_cta)
     kernel = loader.get_kernel(
-        "decode_attention.cu", name, batch.device.index, launch.shared_mem_bytes
+        "decode_attention.cu", launch.kernel_name, batch.device.index, launch.shared_mem_bytes
     )
+    block_size = int(batch.kv_cache.shape[2])
+    block_magic, block_shift = lc.block_divider(block_size)
     partial_out = partial_lse = None
     if launch.needs_merge:
         shape = (launch.num_splits, batch.num_reqs, batch.num_heads)
@@ -201,7 +204,9 @@ def _run_decode(batch: _Batch, max_seq_len: int) -> None:
         np.int32(batch.num_kv_heads),
         np.int32(batch.num_heads // batch.num_kv_heads),
         np.int32(launch.num_head_chunks),
-        np.int32(batch.kv_cache.shape[2]),
+        np.int32(block_size),
+        np.uint32(block_magic),
+        np.int32(block_shift),
         np.int32(launch.keys_per_split),
         np.int32(batch.num_reqs),
     )

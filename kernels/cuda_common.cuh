@@ -296,3 +296,25 @@ __device__ __forceinline__ bool find_prefill_tile(const int* query_start_loc, co
   tile->kv_end = tile->context_len + tok0 + num_tokens;
   return true;
 }
+
+// ---- Decode helpers (decode_attention.cu) ------------------------------------------------------
+
+// 2^x with the fast MUFU instruction (flush-to-zero: 2^x for x < -126 is 0, as kNegBig needs).
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
+// High 32 bits of the 64-bit product a * b.
+__device__ __forceinline__ unsigned int mul_hi_u32(unsigned int a, unsigned int b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<unsigned int>((static_cast<unsigned long long>(a) * b) >> 32);
+#endif
+}

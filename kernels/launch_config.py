@@ -24,6 +24,9 @@ MAX_SLIDING_WINDOW = 2**31 - 1
 DECODE_THREADS = 128
 DECODE_WARPS = DECODE_THREADS // 32
 DECODE_MAX_HEADS_PER_CTA = 8
+DECODE_TC_KEYS = 16  # keys per warp tile of decode_attention_tc
+# decode_attention_tc serves fp16 / bf16 GQA groups of at least this many heads.
+DECODE_TC_MIN_GROUP = 4
 # prefill_attention.cu
 PREFILL_THREADS = 256
 PREFILL_ROWS = 64
@@ -35,6 +38,8 @@ PREFILL_TC_THREADS = 128
 PREFILL_TC_ROWS = 64
 PREFILL_TC_KEYS = 64
 PREFILL_TC_PAD = 8
+PREFILL_TC_STAGES = 2
+PREFILL_TC_MAX_REGISTER_Q_DIM = 128
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 # merge_attention_states.cu
 MERGE_THREADS = 128
@@ -81,6 +86,8 @@ class DecodeLaunch:
     keys_per_split: int
     merge_grid: Dim3
     merge_block: Dim3
+    kernel_name: str = ""
+    uses_tensor_cores: bool = False
 
     @property
     def needs_merge(self) -> bool:
@@ -152,6 +159,31 @@ def cuda_type(dtype_name: str) -> str:
 
 def decode_kernel_name(dtype_name: str, head_dim: int, heads_per_cta: int) -> str:
     return f"decode_attention<{cuda_type(dtype_name)}, {head_dim}, {heads_per_cta}>"
+
+
+def decode_tc_kernel_name(dtype_name: str, head_dim: int, heads_per_cta: int) -> str:
+    return f"decode_attention_tc<{cuda_type(dtype_name)}, {head_dim}, {heads_per_cta}>"
+
+
+def decode_uses_tensor_cores(dtype_name: str, group_size: int) -> bool:
+    """fp16 / bf16 groups of >= DECODE_TC_MIN_GROUP heads: one MMA serves the group's heads, so
+    K/V live once per warp instead of once per head (group 8 is not register-bound)."""
+    return dtype_name in TENSOR_CORE_DTYPES and group_size >= DECODE_TC_MIN_GROUP
+
+
+def block_divider(block_size: int) -> tuple[int, int]:
+    """(block_magic, block_shift) for the decode kernels' division by `block_size`:
+    block index = (mulhi(pos, magic) + pos) >> shift for every 0 <= pos < 2**31.
+
+    A power-of-two block size gives magic 0, a plain shift; others a round-up fast-divide.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size={block_size} must be positive")
+    shift = (block_size - 1).bit_length()  # ceil(log2(block_size))
+    if block_size == 1 << shift:
+        return 0, shift
+    magic = (1 << 32) * ((1 << shift) - block_size) // block_size + 1
+    return magic, shift
 
 
 def prefill_kernel_name(dtype_name: str, head_dim: int) -> str:
@@ -243,10 +275,12 @@ def decode_launch(
     num_sms: int,
     policy: SplitPolicy = SplitPolicy(),
     sliding_window: int | None = None,
+    dtype_name: str = "float32",
 ) -> DecodeLaunch:
     """Grid x = kv_head * num_head_chunks + chunk, y = request, z = split.
 
     Splits are sized by the keys a query attends to (its window, when shorter than max_seq_len).
+    The kernel: decode_attention_tc when `decode_uses_tensor_cores`, else decode_attention.
     """
     check_head_dim(head_dim)
     check_num_reqs(num_reqs)
@@ -256,6 +290,8 @@ def decode_launch(
     max_keys = max_attended_keys(max_seq_len, sliding_window)
     wanted = choose_num_splits(num_base_ctas, max_keys, num_sms, policy)
     num_splits, keys_per_split = split_keys(max_keys, wanted, policy)
+    tensor_cores = decode_uses_tensor_cores(dtype_name, group_size)
+    kernel_name = decode_tc_kernel_name if tensor_cores else decode_kernel_name
     return DecodeLaunch(
         grid=(num_kv_heads * num_head_chunks, num_reqs, num_splits),
         block=(DECODE_THREADS, 1, 1),
@@ -266,6 +302,8 @@ def decode_launch(
         keys_per_split=keys_per_split,
         merge_grid=(num_heads, num_reqs, 1),
         merge_block=(MERGE_THREADS, 1, 1),
+        kernel_name=kernel_name(dtype_name, head_dim, heads_per_cta),
+        uses_tensor_cores=tensor_cores,
     )
 
 
@@ -290,11 +328,10 @@ def prefill_uses_tensor_cores(dtype_name: str, head_dim: int) -> bool:
 
 
 def prefill_tc_shared_mem_bytes(head_dim: int) -> int:
-    """16-bit Q [rows][d+pad] and K [keys][d+pad], transposed V [d][keys+pad]."""
-    row = head_dim + PREFILL_TC_PAD
-    return 2 * (
-        (PREFILL_TC_ROWS + PREFILL_TC_KEYS) * row + head_dim * (PREFILL_TC_KEYS + PREFILL_TC_PAD)
-    )
+    """16-bit K and V tiles [keys][d+pad], double-buffered; Q [rows][d+pad] is staged in the
+    second K buffer, except above PREFILL_TC_MAX_REGISTER_Q_DIM where it keeps its own buffer."""
+    tiles = 2 * PREFILL_TC_STAGES + (head_dim > PREFILL_TC_MAX_REGISTER_Q_DIM)
+    return 2 * tiles * PREFILL_TC_KEYS * (head_dim + PREFILL_TC_PAD)
 
 
 def prefill_launch(

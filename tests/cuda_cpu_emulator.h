@@ -129,6 +129,7 @@ inline Block* g_block = nullptr;
 inline dim3 g_block_idx;
 inline dim3 g_block_dim;
 inline dim3 g_grid_dim;
+inline unsigned long long g_block_serial = 0;  // counts every block run, for per-block state
 inline char g_error[512] = "";
 
 // Dynamic shared memory: [guard][g_dynamic_bytes][guard up to the end of the arena].
@@ -449,6 +450,7 @@ inline bool run_grid(dim3 grid, dim3 block_dim, size_t shared_bytes, unsigned lo
         block.body_arg = arg;
         g_block = &block;
         g_block_idx = dim3{bx, by, bz};
+        ++g_block_serial;
         reset_shared_memory(block);
         for (int t = 0; t < num_threads; ++t) {
           Fiber& fiber = block.fibers[t];

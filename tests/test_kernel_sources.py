@@ -25,7 +25,8 @@ SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
 HEADERS = sorted(p.name for p in KERNEL_DIR.glob("*.cuh"))
 DTYPES = ("float32", "float16", "bfloat16")
 
-# The template instances the backend requests, for a representative set of models.
+# The template instances the backend requests, for a representative set of models:
+# (dtype, head_dim, group size), each through the launcher's kernel choice.
 DECODE_CONFIGS = [
     ("bfloat16", 128, 4),
     ("bfloat16", 256, 8),
@@ -34,13 +35,20 @@ DECODE_CONFIGS = [
     ("float32", 64, 1),
     ("float32", 256, 8),
     ("bfloat16", 80, 6),
+    ("bfloat16", 96, 2),
+    ("float16", 256, 1),
 ]
 NAME_EXPRESSIONS = {
-    "decode_attention.cu": [lc.decode_kernel_name(*c) for c in DECODE_CONFIGS],
+    "decode_attention.cu": [
+        lc.decode_launch(1, g, 1, hd, 16, 132, dtype_name=d).kernel_name
+        for d, hd, g in DECODE_CONFIGS
+    ],
     "prefill_attention.cu": [lc.prefill_kernel_name(d, hd) for d in DTYPES for hd in (64, 128, 256)]
     + [lc.prefill_kernel_name("float16", 80)],
     "prefill_attention_tc.cu": [
-        lc.prefill_tc_kernel_name(d, hd) for d in lc.TENSOR_CORE_DTYPES for hd in (64, 80, 128, 256)
+        lc.prefill_tc_kernel_name(d, hd)
+        for d in lc.TENSOR_CORE_DTYPES
+        for hd in (64, 80, 96, 128, 256)
     ],
     "merge_attention_states.cu": [lc.merge_kernel_name(d) for d in DTYPES],
     "reshape_and_cache.cu": [lc.CACHE_WRITE_KERNEL_NAME],
@@ -89,6 +97,7 @@ def test_loader_reports_a_missing_header(tmp_path):
     ("source", "constant", "value"),
     [
         ("decode_attention.cu", "kDecodeThreads", lc.DECODE_THREADS),
+        ("decode_attention.cu", "kDecodeTcKeys", lc.DECODE_TC_KEYS),
         ("prefill_attention.cu", "kPrefillThreads", lc.PREFILL_THREADS),
         ("prefill_attention.cu", "kPrefillRows", lc.PREFILL_ROWS),
         ("prefill_attention.cu", "kPrefillKeys", lc.PREFILL_KEYS),
@@ -97,6 +106,8 @@ def test_loader_reports_a_missing_header(tmp_path):
         ("prefill_attention_tc.cu", "kTcRows", lc.PREFILL_TC_ROWS),
         ("prefill_attention_tc.cu", "kTcKeys", lc.PREFILL_TC_KEYS),
         ("prefill_attention_tc.cu", "kTcPad", lc.PREFILL_TC_PAD),
+        ("prefill_attention_tc.cu", "kTcStages", lc.PREFILL_TC_STAGES),
+        ("prefill_attention_tc.cu", "kTcMaxRegisterQDim", lc.PREFILL_TC_MAX_REGISTER_Q_DIM),
     ],
 )
 def test_python_launch_constants_match_the_kernels(source, constant, value):

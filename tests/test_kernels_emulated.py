@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+from common.dtypes import dtype_name
 from kernels import attention, cuda_backend, torch_reference
 from kernels import launch_config as lc
 from kernels.warmup import warmup
@@ -81,6 +82,8 @@ def test_decode_batch_runs_only_the_decode_kernel(loader):
     [
         (torch.bfloat16, 64, "prefill_attention_tc<bf16_t, 64>"),
         (torch.float16, 32, "prefill_attention_tc<half_t, 32>"),
+        (torch.float16, 80, "prefill_attention_tc<half_t, 80>"),  # copy phases straddle rows
+        (torch.bfloat16, 256, "prefill_attention_tc<bf16_t, 256>"),  # Q re-read from smem
         (torch.bfloat16, 24, "prefill_attention<bf16_t, 24>"),
         (torch.float32, 64, "prefill_attention<float, 64>"),
     ],
@@ -136,6 +139,60 @@ def test_split_kv_in_bfloat16_with_gqa(loader):
     case = make_case([700, 3], [1, 1], 8, 2, 128, dtype=torch.bfloat16)
     assert_close_to_reference(case, attend(case))
     assert "merge_attention_states<bf16_t>" in launched(loader)
+
+
+# --- tensor-core decode: fp16 / bf16 groups of >= 4 heads ----------------------------------------
+
+TC_DECODE_CONFIGS = [
+    pytest.param(torch.bfloat16, 64, 4, id="bf16-d64-g4"),
+    pytest.param(torch.float16, 128, 7, id="fp16-d128-g7"),
+    pytest.param(torch.bfloat16, 256, 8, id="bf16-d256-g8"),
+    pytest.param(torch.float16, 64, 8, id="fp16-d64-g8"),
+    pytest.param(torch.bfloat16, 128, 8, id="bf16-d128-g8"),
+    pytest.param(torch.float16, 256, 4, id="fp16-d256-g4"),
+    pytest.param(torch.bfloat16, 80, 12, id="bf16-d80-g12"),  # 2 chunks of 6 heads
+    pytest.param(torch.float16, 96, 5, id="fp16-d96-g5"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "group_size"), TC_DECODE_CONFIGS)
+def test_tensor_core_decode_unsplit_and_split(grids, dtype, head_dim, group_size):
+    """8 CTAs (unsplit) with contexts around a 16-key warp tile and a block, then 2 requests long
+    enough to split, in one test so each kernel instance compiles once."""
+    heads_per_cta, _ = lc.head_chunking(group_size)
+    name = lc.decode_tc_kernel_name(dtype_name(dtype), head_dim, heads_per_cta)
+    unsplit = make_case(
+        [1, 16, 17, 63], [1, 1, 1, 1], 2 * group_size, 2, head_dim, dtype=dtype, seed=head_dim
+    )
+    assert_close_to_reference(unsplit, attend(unsplit))
+    assert grids[name][-1][2] == 1 and "merge_attention_states" not in str(grids)
+    split = make_case([700, 3], [1, 1], group_size, 1, head_dim, dtype=dtype, seed=group_size)
+    assert_close_to_reference(split, attend(split))
+    assert grids[name][-1][2] > 1
+    assert any(key.startswith("merge_attention_states") for key in grids)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "group_size"), TC_DECODE_CONFIGS[:3])
+@pytest.mark.parametrize("window", [1, 20, 520])
+def test_tensor_core_decode_with_windows(grids, dtype, head_dim, group_size, window):
+    """Windows starting inside blocks and warp tiles; the null block before them is NaN."""
+    case = windowed_case(
+        [700, 45, 530, 17], [1, 1, 1, 1], window, group_size, 1, head_dim, dtype=dtype
+    )
+    assert_windowed_output(case, attend(case))
+    heads_per_cta, _ = lc.head_chunking(group_size)
+    assert lc.decode_tc_kernel_name(dtype_name(dtype), head_dim, heads_per_cta) in grids
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_block_sizes(loader, block_size, dtype):
+    """Block index by shift (powers of two) or fast-divide (48), on both decode kernels."""
+    seq_lens = [block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 7]
+    case = make_case(seq_lens, [1] * 5, 8, 2, 64, block_size=block_size, dtype=dtype)
+    assert_close_to_reference(case, attend(case))
+    kernel = "decode_attention_tc<bf16_t, 64, 4>" if dtype == torch.bfloat16 else None
+    assert kernel is None or kernel in launched(loader)
 
 
 def test_poisoned_slots_never_leak(loader):
@@ -330,7 +387,7 @@ def test_windowed_split_kv_in_bfloat16_with_gqa(grids):
     case = windowed_case([700, 3, 530], [1, 1, 1], 520, 8, 2, 128, dtype=torch.bfloat16)
     assert_window_matters(case)
     assert_windowed_output(case, attend(case))
-    assert grids["decode_attention<bf16_t, 128, 4>"] == [(2, 3, 2)]
+    assert grids["decode_attention_tc<bf16_t, 128, 4>"] == [(2, 3, 2)]
     assert "merge_attention_states<bf16_t>" in grids
 
 
@@ -407,7 +464,7 @@ def test_windowed_prefill_with_window_1_and_at_least_the_context(
     ("dtype", "prefill_kernel", "decode_kernel"),
     [
         (torch.float32, "prefill_attention<float, 64>", "decode_attention<float, 64, 4>"),
-        (torch.bfloat16, "prefill_attention_tc<bf16_t, 64>", "decode_attention<bf16_t, 64, 4>"),
+        (torch.bfloat16, "prefill_attention_tc<bf16_t, 64>", "decode_attention_tc<bf16_t, 64, 4>"),
     ],
 )
 def test_windowed_mixed_decode_and_prefill_batch(loader, dtype, prefill_kernel, decode_kernel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.dtypes import dtype_name
 from kernels import cuda_backend, select_backend, torch_reference, write_kv_and_attend
 from kernels import launch_config as lc
 from kernels.module_loader import default_loader
@@ -74,6 +75,35 @@ def test_gqa_groups(group_size, dtype):
         [9, 400, 23, 64], [1, 12, 23, 1], 2 * group_size, 2, 128, dtype=dtype, device=DEVICE
     )
     assert_close_to_reference(case, attend(case))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("group_size", [4, 7, 8])
+def test_tensor_core_decode(group_size, head_dim, dtype):
+    """fp16 / bf16 groups of >= 4 heads take decode_attention_tc: unsplit (many requests) and
+    split-KV (one long request), with windows."""
+    loader = default_loader()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    launch = lc.decode_launch(
+        1, group_size, 1, head_dim, 5000, num_sms, dtype_name=dtype_name(dtype)
+    )
+    assert launch.uses_tensor_cores and launch.needs_merge
+    many = make_case(
+        [1, 16, 17, 300, 1000] * 40,
+        [1] * 200,
+        2 * group_size,
+        2,
+        head_dim,
+        dtype=dtype,
+        device=DEVICE,
+    )
+    assert_close_to_reference(many, attend(many))
+    long = make_case([5000, 17], [1, 1], group_size, 1, head_dim, dtype=dtype, device=DEVICE)
+    assert_close_to_reference(long, attend(long))
+    windowed = windowed_case([5000, 45, 530], [1, 1, 1], 520, group_size, 1, head_dim, dtype=dtype)
+    assert_close_to_reference(windowed, attend(windowed))
+    assert any(name == launch.kernel_name for (_, name, _) in loader._kernels)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

@@ -152,7 +152,9 @@ def test_prefill_picks_tensor_cores_for_half_types(dtype_name, head_dim, tensor_
 
 
 def test_tensor_core_prefill_shared_memory():
-    assert lc.prefill_tc_shared_mem_bytes(128) == 2 * (128 * 136 + 128 * 72)
+    # Two stages of K and V tiles [64][d+8] (Q staged in one of them up to head_dim 128).
+    assert lc.prefill_tc_shared_mem_bytes(128) == 2 * 4 * 64 * 136
+    assert lc.prefill_tc_shared_mem_bytes(256) == 2 * 5 * 64 * 264
     assert lc.prefill_tc_shared_mem_bytes(64) <= lc.DEFAULT_SHARED_MEM_BYTES
     assert lc.prefill_tc_shared_mem_bytes(256) <= 227 * 1024
 
@@ -195,3 +197,45 @@ def test_kernel_name_expressions():
     assert lc.merge_kernel_name("float32") == "merge_attention_states<float>"
     with pytest.raises(ValueError, match="float64"):
         lc.decode_kernel_name("float64", 64, 1)
+
+
+@pytest.mark.parametrize(
+    ("dtype_name", "group_size", "tensor_cores"),
+    [
+        ("bfloat16", 4, True),
+        ("float16", 8, True),
+        ("bfloat16", 12, True),  # two chunks of 6 heads
+        ("bfloat16", 3, False),
+        ("float16", 1, False),
+        ("float32", 8, False),  # no fp32 tensor-core path: tf32 would lose precision
+    ],
+)
+def test_decode_picks_tensor_cores_for_half_types_and_groups_of_four(
+    dtype_name, group_size, tensor_cores
+):
+    launch = lc.decode_launch(64, 2 * group_size, 2, 128, 4096, H100_SMS, dtype_name=dtype_name)
+    assert launch.uses_tensor_cores is tensor_cores
+    name = lc.decode_tc_kernel_name if tensor_cores else lc.decode_kernel_name
+    assert launch.kernel_name == name(dtype_name, 128, launch.heads_per_cta)
+    assert launch.shared_mem_bytes == lc.decode_shared_mem_bytes(launch.heads_per_cta, 128)
+
+
+def test_decode_defaults_to_the_cuda_core_kernel():
+    launch = lc.decode_launch(1, 8, 1, 64, 10, H100_SMS)
+    assert launch.kernel_name == "decode_attention<float, 64, 8>"
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16, 32, 48, 80, 128, 1000])
+def test_block_divider_divides_every_int32_position(block_size):
+    magic, shift = lc.block_divider(block_size)
+    if block_size & (block_size - 1) == 0:
+        assert (magic, shift) == (0, block_size.bit_length() - 1)  # a plain shift
+    positions = [*range(4 * block_size + 3), 2**31 - 1, 2**31 - 2, 2**30 + 12345, 987654321]
+    for pos in positions:
+        assert (((pos * magic) >> 32) + pos) >> shift == pos // block_size
+        assert (magic * pos) >> 32 < 2**32 and ((magic * pos) >> 32) + pos < 2**32
+
+
+def test_block_divider_rejects_an_empty_block():
+    with pytest.raises(ValueError, match="block_size=0"):
+        lc.block_divider(0)
