@@ -19,6 +19,7 @@ import asyncio
 import math
 import os
 import random
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,9 +80,12 @@ def measure_setup(setup: ServerSetup, engine_flags: list[str], run_rows, log_dir
         before = read_metrics(url)
         rows = run_rows(url)
         after = read_metrics(url)
+        # Cumulative since start-up; the warm-up's few tokens are included.
+        per_core_after = read_per_engine(url, "core:prefix_cache_queries_by_engine_total")
     queries = _delta(before, after, "core:prefix_cache_queries_total")
     hits = _delta(before, after, "core:prefix_cache_hits_total")
     return {
+        "prompt_tokens_per_core": per_core_after or [queries],
         "setup": setup.name,
         "data_parallel_size": setup.data_parallel_size,
         "num_threads": setup.num_threads,
@@ -89,6 +93,16 @@ def measure_setup(setup: ServerSetup, engine_flags: list[str], run_rows, log_dir
         "prefix_hit_rate": hits / queries if queries else math.nan,
         "total_errors": sum(row["num_errors"] for row in rows),
     }
+
+
+def read_per_engine(url: str, family: str) -> list[float]:
+    """The values of `family`'s samples labelled engine="<rank>", in rank order ([] without)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+    pattern = rf'^{re.escape(family)}\{{[^}}]*engine="(\d+)"[^}}]*\}} (\S+)$'
+    values = {int(rank): float(value) for rank, value in re.findall(pattern, text, re.MULTILINE)}
+    return [values[rank] for rank in sorted(values)]
 
 
 def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
@@ -132,12 +146,18 @@ def render_markdown(result: dict) -> str:
             cells.append(f"**{ratio:.2f}x**")
         rows.append(cells)
     hit_rates = ", ".join(f"{s['setup']}: {s['prefix_hit_rate']:.1%}" for s in result["setups"])
+    spread = "; ".join(
+        f"{s['setup']}: " + " / ".join(f"{tokens:.0f}" for tokens in s["prompt_tokens_per_core"])
+        for s in result["setups"]
+        if len(s["prompt_tokens_per_core"]) > 1
+    )
     return (
         f"### Serving with data parallelism: {result['server']} ({result['dtype']}), "
         f"{result['num_requests_per_rate']} streamed requests per rate, each prompt one of "
         f"{result['num_prefixes']} {result['prefix_words']}-word system prompts plus its own "
         f"question\n\n{markdown_table(header, rows)}\n\nPrefix cache hit rate over the run: "
-        f"{hit_rates}. Errors: {result['total_errors']} (must be 0)."
+        f"{hit_rates}. Prompt tokens per core: {spread}. Errors: {result['total_errors']} "
+        "(must be 0)."
     )
 
 

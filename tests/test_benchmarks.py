@@ -473,7 +473,12 @@ def test_data_parallel_serving_args_workload_and_markdown():
         assert prefix in workload.prefixes and 5 <= len(question.split()) <= 10
         assert 4 <= max_tokens <= 8
     setups = [
-        {"setup": s.name, "rows": [serving_row("inf", factor, 100.0)], "prefix_hit_rate": 0.5}
+        {
+            "setup": s.name,
+            "rows": [serving_row("inf", factor, 100.0)],
+            "prefix_hit_rate": 0.5,
+            "prompt_tokens_per_core": [100.0] * s.data_parallel_size,
+        }
         for s, factor in zip(dp.setups(2), (1.0, 1.8, 1.2), strict=True)
     ]
     result = {
@@ -483,6 +488,7 @@ def test_data_parallel_serving_args_workload_and_markdown():
     text = dp.render_markdown(result)
     assert "| inf | 10.0 | 100 | 18.0 | 100 | 12.0 | 100 | **1.80x** | **1.20x** |" in text
     assert "dp 2, 1 thread per core: 50.0%" in text
+    assert "Prompt tokens per core: dp 2, 1 thread per core: 100 / 100." in text
 
 
 def test_serving_ratios_and_markdown_with_a_peer():
