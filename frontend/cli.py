@@ -93,6 +93,11 @@ def parse_args(
         engine_config = EngineConfig.from_cli_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.frontend_address is not None and engine_config.data_parallel_size > 1:
+        parser.error(
+            f"--data-parallel-size {engine_config.data_parallel_size} launches its own engine "
+            "cores; --frontend-address attaches to one core started separately"
+        )
     settings = ServerSettings(
         served_model_name=args.served_model_name
         or engine_config.model

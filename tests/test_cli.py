@@ -82,6 +82,10 @@ def test_served_model_name_defaults_to_the_model_argument():
         (["--device", "tpu"], "device must be one of"),
         (["--max-num-seqs", "many"], "invalid engine option"),
         (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
+        (
+            ["--data-parallel-size", "2", "--frontend-address", "ipc:///tmp/core"],
+            "--data-parallel-size 2 launches its own engine cores",
+        ),
     ],
 )
 def test_bad_flags_exit_with_a_usage_error_naming_the_value(argv, message, capsys):
