@@ -333,6 +333,7 @@ def bench_decode(
         shape.head_dim,
         max(lens),
         torch.cuda.get_device_properties(device).multi_processor_count,
+        dtype_name=str(dtype).removeprefix("torch."),  # the kernel the backend picks for it
     )
     result = DecodeResult(
         label=shape.label,
