@@ -270,21 +270,25 @@ struct PrefillTile {
 
 // Fills `tile`; false when this CTA has nothing to do (tile past the query, or a one-token
 // query left to the decode kernel). Every key the tile may read lies in [kv_begin, kv_end):
-// window starts grow with the position, so the first token's is the tile's lowest.
+// window starts grow with the position, so the first token's is the tile's lowest. With
+// `heavy_first`, blockIdx.x counts tiles from the END of the request's query (x = 0 is the last,
+// heaviest causal tile, so it starts first); the tiles themselves are the same.
 __device__ __forceinline__ bool find_prefill_tile(const int* query_start_loc, const int* seq_lens,
                                                   int tokens_per_tile, int group_size,
                                                   int skip_single_token_queries, int sliding_window,
-                                                  PrefillTile* tile) {
+                                                  bool heavy_first, PrefillTile* tile) {
   const int req = blockIdx.y;
   const int q_begin = query_start_loc[req];
   const int q_len = query_start_loc[req + 1] - q_begin;
   if (skip_single_token_queries && q_len == 1) {
     return false;
   }
-  const int tok0 = blockIdx.x * tokens_per_tile;
-  if (tok0 >= q_len) {
+  const int num_tiles = (q_len + tokens_per_tile - 1) / tokens_per_tile;
+  const int x = static_cast<int>(blockIdx.x);
+  if (x >= num_tiles) {
     return false;
   }
+  const int tok0 = (heavy_first ? num_tiles - 1 - x : x) * tokens_per_tile;
   const int num_tokens = min(tokens_per_tile, q_len - tok0);
   tile->req = req;
   tile->kv_head = blockIdx.z;

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<HEAD_DIM>::kMin
 
   PrefillTile tile;
   if (!find_prefill_tile(query_start_loc, seq_lens, tokens_per_tile, group_size,
-                         skip_single_token_queries, sliding_window, &tile)) {
+                         skip_single_token_queries, sliding_window, /*heavy_first=*/false, &tile)) {
     return;
   }
   const int req = tile.req;

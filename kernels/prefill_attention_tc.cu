@@ -82,34 +82,6 @@ struct TcLayout {
   static_assert(kTcKeys == (kTcThreads / 32) * kWarpRows, "one warp copies 16 key rows");
 };
 
-// Like find_prefill_tile (cuda_common.cuh), but blockIdx.x counts tiles from the END of the
-// request's query: x = 0 is the last, heaviest tile. The tiles themselves are the same.
-__device__ __forceinline__ bool find_prefill_tile_heavy_first(
-    const int* query_start_loc, const int* seq_lens, int tokens_per_tile, int group_size,
-    int skip_single_token_queries, int sliding_window, PrefillTile* tile) {
-  const int req = blockIdx.y;
-  const int q_begin = query_start_loc[req];
-  const int q_len = query_start_loc[req + 1] - q_begin;
-  if (skip_single_token_queries && q_len == 1) {
-    return false;
-  }
-  const int num_tiles = (q_len + tokens_per_tile - 1) / tokens_per_tile;
-  if (static_cast<int>(blockIdx.x) >= num_tiles) {
-    return false;
-  }
-  const int tok0 = (num_tiles - 1 - static_cast<int>(blockIdx.x)) * tokens_per_tile;
-  const int num_tokens = min(tokens_per_tile, q_len - tok0);
-  tile->req = req;
-  tile->kv_head = blockIdx.z;
-  tile->q_begin = q_begin;
-  tile->tok0 = tok0;
-  tile->context_len = seq_lens[req] - q_len;
-  tile->num_rows = num_tokens * group_size;
-  tile->kv_begin = window_start(tile->context_len + tok0, sliding_window);
-  tile->kv_end = tile->context_len + tok0 + num_tokens;
-  return true;
-}
-
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
     const T* __restrict__ query,            // [num_tokens, num_heads, HEAD_DIM], token stride
@@ -132,8 +104,8 @@ __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
   using L = TcLayout<HEAD_DIM>;
 
   PrefillTile tile;
-  if (!find_prefill_tile_heavy_first(query_start_loc, seq_lens, tokens_per_tile, group_size,
-                                     skip_single_token_queries, sliding_window, &tile)) {
+  if (!find_prefill_tile(query_start_loc, seq_lens, tokens_per_tile, group_size,
+                         skip_single_token_queries, sliding_window, /*heavy_first=*/true, &tile)) {
     return;
   }
   const int req = tile.req;
