@@ -21,7 +21,6 @@ from torch import nn
 from kernels import AttentionMetadata
 from worker.layers import (
     GemmaRMSNorm,
-    ParallelLMHead,
     RotaryEmbedding,
     VocabParallelEmbedding,
     residual_dtype,
@@ -107,33 +106,14 @@ class Gemma3Model(nn.Module):
         return self.norm(residual)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(LlamaForCausalLM):
     """The causal LM: `forward` -> hidden states [T, hidden], `compute_logits` -> [N, vocab].
 
-    Same contract as `LlamaForCausalLM` (kv_caches[i] is layer i's full paged cache).
+    `LlamaForCausalLM` over a `Gemma3Model` (kv_caches[i] is layer i's full paged cache; metadata
+    may be one per layer, its KV cache group's), with Gemma's logit soft-capping.
     """
 
-    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Gemma3Model(config, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
-        )
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata | list[AttentionMetadata],
-    ) -> torch.Tensor:
-        """input_ids/positions int64 [T] -> hidden states [T, hidden] (model dtype)."""
-        return self.model(input_ids, positions, kv_caches, metadata)
+    model_class = Gemma3Model
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab_size], soft-capped when configured."""

@@ -178,7 +178,11 @@ class LlamaForCausalLM(nn.Module):
 
     `kv_caches[i]` is layer i's cache [2, num_blocks, block_size, num_kv_heads_per_rank,
     head_dim]; `forward` writes the new tokens' K/V into it at `metadata.slot_mapping`.
+    Subclasses for other decoder stacks set `model_class` (it takes what `forward` passes on:
+    one metadata, or one per layer for a model with KV cache groups).
     """
+
+    model_class: type[nn.Module] = LlamaModel
 
     # checkpoint module name -> (fused module name, shard id for its weight_loader)
     packed_modules_mapping = MappingProxyType(
@@ -194,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, tp_rank, tp_size)
+        self.model = self.model_class(config, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
         )
@@ -206,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         """input_ids/positions int64 [T] -> hidden states [T, hidden] (model dtype)."""
         return self.model(input_ids, positions, kv_caches, metadata)
