@@ -54,11 +54,12 @@ class Bf16MatmulWeight:
         self,
         x: torch.Tensor,
         bias: torch.Tensor | None = None,
-        out_dtype: torch.dtype = torch.bfloat16,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """x [..., k] (rounded to bf16 if it is not) -> x W^T + bias, [..., num_columns] in
-        `out_dtype` (bf16 or float32), summed in float32 and rounded once. Called for every
-        linear of every step, so a bf16 contiguous x goes straight to the kernel."""
+        `out_dtype` (bf16 or float32; None: bf16), summed in float32 and rounded once. Called
+        for every linear of every step, so a bf16 contiguous x goes straight to the kernel."""
+        out_dtype = out_dtype or torch.bfloat16
         if x.shape[-1] != self.k:
             raise ValueError(f"bf16 matmul needs x of shape [..., {self.k}], got {tuple(x.shape)}")
         if out_dtype not in OUTPUT_DTYPES:

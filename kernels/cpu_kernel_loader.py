@@ -1,8 +1,9 @@
 """Builds the C kernels of the CPU worker with the system compiler, once per machine.
 
 One shared library holds them all: paged attention (`cpu_paged_attention.c`), the fused
-elementwise ops of a decoder layer (`cpu_fused_ops.c`) and the bf16 matmul of a bf16
-model's linears and LM head (`cpu_bf16_matmul.c`). It is compiled with `-march=native`,
+elementwise ops of a decoder layer (`cpu_fused_ops.c`), the bf16 matmul of a bf16
+model's linears and LM head (`cpu_bf16_matmul.c`) and the float32 matmul of a float32 model's
+on CPUs without AVX-512 (`cpu_f32_matmul.c`). It is compiled with `-march=native`,
 so it is cached under a key made of the sources' text, the compile command, the compiler's
 version and this CPU's model and flags:
 a cache directory shared by different machines never hands one a library built for another.
@@ -30,7 +31,13 @@ logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = tuple(
-    KERNEL_DIR / name for name in ("cpu_paged_attention.c", "cpu_fused_ops.c", "cpu_bf16_matmul.c")
+    KERNEL_DIR / name
+    for name in (
+        "cpu_paged_attention.c",
+        "cpu_fused_ops.c",
+        "cpu_bf16_matmul.c",
+        "cpu_f32_matmul.c",
+    )
 )
 HEADERS = (KERNEL_DIR / "cpu_scalar_math.h",)
 LIBRARY_NAME = "cpu_kernels"
@@ -212,6 +219,11 @@ def _declare(library: ctypes.CDLL) -> None:
     # x, packed, bias, out, out_bf16, rows, k, padded_columns, num_columns, num_threads
     _signature(
         library.bf16_matmul, [pointer, pointer, pointer, pointer, i32, i64, i64, i64, i64, i32]
+    )
+    _signature(library.f32_matmul_panel_columns, [], ctypes.c_int)
+    # x, x_stride, packed, bias, out, rows, k, num_panels, num_columns, num_threads
+    _signature(
+        library.f32_matmul, [pointer, i64, pointer, pointer, pointer, i64, i64, i64, i64, i32]
     )
 
 

@@ -100,7 +100,7 @@ def test_bf16_linears_run_on_the_kernel_and_round_like_torch():
     layer.weight.data, layer.bias.data = bf16_randn(72, 40, seed=5), bf16_randn(72, seed=6)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     assert pack_linears(layer) == 1
-    assert layer.bf16_weight is not None and layer.packed_weight is None and layer.weight is None
+    assert layer.kernel_weight is not None and layer.packed_weight is None and layer.weight is None
     x = bf16_randn(11, 40, seed=7)
     out = layer(x)
     expected = F.linear(x.double(), weight.double(), bias.double())
@@ -114,7 +114,7 @@ def test_bf16_lm_head_gives_float32_logits_from_the_kernel():
     head.weight.data = bf16_randn(100, 32, seed=3)
     weight = head.weight.detach().clone()
     assert head.pack(keep_dense_weight=False)
-    assert head.bf16_weight is not None and head.weight is None and head.packed_weight is None
+    assert head.kernel_weight is not None and head.weight is None and head.packed_weight is None
     x = bf16_randn(9, 32, seed=4)
     logits = head.compute_logits(x)
     assert logits.shape == (9, 100)

@@ -1,4 +1,5 @@
-"""oneDNN-packed CPU linears: same results as F.linear, one weight copy kept, tied weights kept."""
+"""Packed CPU linears (oneDNN, or the project's float32/bf16 kernels where they are built): same
+results as F.linear, one weight copy kept, tied weights kept."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_kernel_loader
+from kernels.cpu_f32_matmul import F32MatmulWeight
 from worker.cpu_linear import can_pack, pack_linears
 from worker.layers import (
     ColumnParallelLinear,
@@ -51,11 +54,20 @@ def test_packed_linears_match_dense_matmuls(num_rows):
     torch.testing.assert_close(logits, x @ head_weight.T, atol=1e-4, rtol=1e-5)
 
 
+def f32_kernel_built() -> bool:
+    library = cpu_kernel_loader.load()
+    return library is not None and library.f32_matmul_panel_columns() > 0
+
+
 def test_packing_keeps_one_copy_except_for_tied_weights():
     model = TinyTiedModel()
     pack_linears(model)
     assert model.up.weight is None and model.down.weight is None
-    assert model.up.packed_weight is not None and model.up.bias is not None
+    assert model.up.is_packed and model.up.bias is not None
+    # float32 weights: the project's kernel where it is built (AVX2 without AVX-512), else oneDNN
+    for module in (model.up, model.down, model.lm_head):
+        assert isinstance(module.kernel_weight, F32MatmulWeight) == f32_kernel_built()
+        assert (module.packed_weight is not None) == (not f32_kernel_built())
     assert model.embed.weight is model.lm_head.weight is not None  # the embedding reads it
     assert pack_linears(model) == 0  # packing twice does nothing
 
@@ -66,8 +78,8 @@ def test_bf16_model_gets_a_float32_lm_head_and_bf16_linears_only_where_onednn_ru
     assert can_pack(model.up.weight) == bf16_native
     pack_linears(model)
     # the bf16 kernel where this CPU has AVX512_BF16 (tests/test_cpu_bf16_matmul.py), else
-    # oneDNN in float32
-    assert (model.lm_head.bf16_weight is None) == (model.lm_head.packed_weight is not None)
+    # float32 on the float32 kernel or oneDNN
+    assert (model.lm_head.kernel_weight is None) == (model.lm_head.packed_weight is not None)
     x = torch.randn(3, 16).to(torch.bfloat16)
     expected = x.float() @ model.lm_head.weight.float().T
     torch.testing.assert_close(model.lm_head.compute_logits(x), expected, atol=1e-4, rtol=1e-5)

@@ -7,10 +7,11 @@ matmul on the blocked copy (`_linear_pointwise`, the pair torch's inductor uses 
 linears). The blocked copy replaces the dense weight: it is the only copy kept.
 
 Packing applies to float32 wherever torch has oneDNN, and to bfloat16/float16 only where
-oneDNN says the CPU runs them (AVX-512 or AMX); elsewhere layers keep `F.linear`. A bf16
-weight on a CPU with AVX512_BF16 goes to the project's own kernel instead
-(`kernels.cpu_bf16_matmul`: faster than oneDNN at decode batch sizes, and able to output
-float32, which the LM head needs).
+oneDNN says the CPU runs them (AVX-512 or AMX); elsewhere layers keep `F.linear`. Two weights
+go to the project's own kernels instead, where they are built: a bf16 weight on a CPU with
+AVX512_BF16 (`kernels.cpu_bf16_matmul`: faster than oneDNN at decode batch sizes, and able to
+output float32, which the LM head needs), and a float32 weight on an AVX2 CPU without AVX-512
+(`kernels.cpu_f32_matmul`: faster than oneDNN at every batch size there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from kernels.cpu_bf16_matmul import Bf16MatmulWeight
+from kernels.cpu_f32_matmul import F32MatmulWeight
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,25 +53,26 @@ def packed_linear(
 
 
 class PackableLinear(nn.Module):
-    """A linear layer whose `weight` [out, in] may be swapped for a packed copy: the bf16
-    kernel's (`bf16_weight`) or oneDNN's blocked one (`packed_weight`).
+    """A linear layer whose `weight` [out, in] may be swapped for a packed copy: one of the
+    project's kernels (`kernel_weight`: bf16 or float32) or oneDNN's blocked one
+    (`packed_weight`).
 
     After `pack()` the dense `weight` is None unless another module shares it (a tied
     embedding); forward must go through `matmul`.
     """
 
     packed_weight: torch.Tensor | None = None
-    bf16_weight: Bf16MatmulWeight | None = None
+    kernel_weight: Bf16MatmulWeight | F32MatmulWeight | None = None
     # The dtype the packed matmul outputs (oneDNN: also computes in); None: the weight's own.
     packed_dtype: torch.dtype | None = None
 
     @property
     def is_packed(self) -> bool:
-        return self.bf16_weight is not None or self.packed_weight is not None
+        return self.kernel_weight is not None or self.packed_weight is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.bf16_weight is not None:
-            return self.bf16_weight.matmul(x, bias, self.packed_dtype or torch.bfloat16)
+        if self.kernel_weight is not None:
+            return self.kernel_weight.matmul(x, bias, self.packed_dtype)
         if self.packed_weight is not None:
             if self.packed_dtype is not None:
                 x = x.to(self.packed_dtype)
@@ -77,14 +80,18 @@ class PackableLinear(nn.Module):
         return torch.nn.functional.linear(x, self.weight, bias)
 
     def pack(self, keep_dense_weight: bool) -> bool:
-        """Packs the weight for the bf16 kernel or oneDNN if this CPU runs its dtype; returns
-        whether it did. `keep_dense_weight`: another module reads the same tensor (tied
-        embeddings)."""
+        """Packs the weight for one of the project's kernels or oneDNN if this CPU runs its
+        dtype; returns whether it did. `keep_dense_weight`: another module reads the same
+        tensor (tied embeddings)."""
         if self.is_packed:
             return False
-        self.bf16_weight = Bf16MatmulWeight.pack(self.weight)
-        if self.bf16_weight is None:
-            weight = self.weight if self.packed_dtype is None else self.weight.to(self.packed_dtype)
+        weight = self.weight
+        self.kernel_weight = Bf16MatmulWeight.pack(weight)
+        if self.kernel_weight is None:
+            if self.packed_dtype is not None:
+                weight = weight.to(self.packed_dtype)
+            self.kernel_weight = F32MatmulWeight.pack(weight)
+        if self.kernel_weight is None:
             if not can_pack(weight):
                 return False
             self.packed_weight = pack_weight(weight)

@@ -1,0 +1,156 @@
+// out [M, N] = x [M, K] float32 times w [N, K] float32 transposed (+ a float32 bias), with AVX2
+// and FMA: the float32 linears and LM head of the CPU worker on CPUs without AVX-512, where it
+// is faster than oneDNN at every batch size (benchmarks/results/avx2/linears.md).
+//
+// The weight is packed once (kernels/cpu_f32_matmul.py) into panels of PANEL_COLUMNS output
+// columns, [N / 16][K][16] with N padded to a multiple of 16, so one k of a panel is one
+// 64-byte cache line: two 8-float vectors. A tile of TILE_ROWS rows x one panel keeps its
+// 6 x 2 sums in 12 registers (plus 2 weight vectors and 1 broadcast of x: 15 of 16), the usual
+// AVX2 micro-kernel shape. Each thread takes a contiguous run of panels; while its row tiles
+// work on one panel (from L1/L2 after the first tile), they prefetch the next panel, spread
+// evenly over the tiles, so memory streams the weight while the FMAs run instead of between
+// panels. `out` is contiguous [M, N]: padding columns are computed and never stored.
+// Built by kernels/cpu_kernel_loader.py with `cc -O3 -march=native -fopenmp`.
+
+#include <stdint.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define F32_MATMUL_BUILT 1
+#include <immintrin.h>
+#include <omp.h>
+
+#define PANEL_COLUMNS 16
+#define TILE_ROWS 6
+#define LINE_BYTES 64  // one k of a panel
+
+// Where one tile's rows go: the tile's first output element, the output's row stride, the
+// tile's first bias element (or NULL) and how many of the panel's columns are real.
+typedef struct {
+    float* out;
+    int64_t stride;
+    const float* bias;
+    int32_t num_columns;
+} TileOutput;
+
+// Lanes of `first_column`..+7 that are below num_columns, as a maskload/maskstore mask.
+static inline __m256i column_mask(int32_t num_columns, int32_t first_column) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(num_columns - first_column), lanes);
+}
+
+static inline void store_half(const TileOutput* o, int r, int half, __m256 sums) {
+    const int32_t first = half * 8;
+    float* dst = o->out + r * o->stride + first;
+    if (o->num_columns >= first + 8) {
+        if (o->bias != NULL) sums = _mm256_add_ps(sums, _mm256_loadu_ps(o->bias + first));
+        _mm256_storeu_ps(dst, sums);
+    } else if (o->num_columns > first) {
+        const __m256i mask = column_mask(o->num_columns, first);
+        if (o->bias != NULL) sums = _mm256_add_ps(sums, _mm256_maskload_ps(o->bias + first, mask));
+        _mm256_maskstore_ps(dst, mask, sums);
+    }
+}
+
+// num_rows (a compile-time constant once inlined) rows of x times one panel `w`; prefetches
+// `num_prefetch` lines from `prefetch` on, one per k (the last one again after that: a
+// branch-free loop, and a line already in cache costs one load slot).
+static inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k,
+                        const TileOutput* o, const char* prefetch, int64_t num_prefetch,
+                        const int num_rows) {
+    __m256 lo[TILE_ROWS], hi[TILE_ROWS];
+    // Unrolled before GCC's scalar replacement, so the sums live in registers (without the
+    // pragma they are stored to the stack at every k: 3x slower).
+#pragma GCC unroll 8
+    for (int r = 0; r < num_rows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    const int64_t last_prefetch = num_prefetch > 0 ? num_prefetch - 1 : 0;
+    for (int64_t i = 0; i < k; ++i) {
+        const __m256 w_lo = _mm256_load_ps(w + i * PANEL_COLUMNS);
+        const __m256 w_hi = _mm256_load_ps(w + i * PANEL_COLUMNS + 8);
+        _mm_prefetch(prefetch + (i < last_prefetch ? i : last_prefetch) * LINE_BYTES,
+                     _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int r = 0; r < num_rows; ++r) {
+            const __m256 xi = _mm256_broadcast_ss(x + r * x_stride + i);
+            lo[r] = _mm256_fmadd_ps(xi, w_lo, lo[r]);
+            hi[r] = _mm256_fmadd_ps(xi, w_hi, hi[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < num_rows; ++r) {
+        store_half(o, r, 0, lo[r]);
+        store_half(o, r, 1, hi[r]);
+    }
+}
+
+static void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t k,
+                      const TileOutput* o, const char* prefetch, int64_t num_prefetch,
+                      int num_rows) {
+    switch (num_rows) {
+        case 1: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 1); break;
+        case 2: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 2); break;
+        case 3: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 3); break;
+        case 4: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 4); break;
+        case 5: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 5); break;
+        default: tile(x, x_stride, w, k, o, prefetch, num_prefetch, TILE_ROWS);
+    }
+}
+
+// Every row tile of panels [first_panel, end_panel), prefetching each panel's successor
+// within the run.
+static void panel_run(const float* x, int64_t x_stride, const float* packed, const float* bias,
+                      float* out, int64_t rows, int64_t k, int64_t num_columns,
+                      int64_t first_panel, int64_t end_panel) {
+    const int64_t num_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t p = first_panel; p < end_panel; ++p) {
+        const float* w = packed + p * k * PANEL_COLUMNS;
+        const char* next = (const char*)(w + k * PANEL_COLUMNS);
+        const int64_t next_lines = p + 1 < end_panel ? k : 0;
+        const int64_t first_column = p * PANEL_COLUMNS;
+        const int64_t columns_left = num_columns - first_column;
+        for (int64_t t = 0; t < num_tiles; ++t) {
+            const int64_t row = t * TILE_ROWS;
+            const int num_rows = rows - row < TILE_ROWS ? (int)(rows - row) : TILE_ROWS;
+            const int64_t first_line = next_lines * t / num_tiles;
+            const int64_t end_line = next_lines * (t + 1) / num_tiles;
+            const TileOutput o = {
+                out + row * num_columns + first_column,
+                num_columns,
+                bias != NULL ? bias + first_column : NULL,
+                (int32_t)(columns_left < PANEL_COLUMNS ? columns_left : PANEL_COLUMNS),
+            };
+            tile_rows(x + row * x_stride, x_stride, w, k, &o, next + first_line * LINE_BYTES,
+                      end_line - first_line, num_rows);
+        }
+    }
+}
+#endif
+
+// Output columns per panel (the packed weight's rows are padded to a multiple of this); 0
+// where the kernel is not built (no AVX2/FMA, or AVX-512, where oneDNN's wider code runs).
+int f32_matmul_panel_columns(void) {
+#if defined(F32_MATMUL_BUILT)
+    return PANEL_COLUMNS;
+#else
+    return 0;
+#endif
+}
+
+// x: float32 [rows, k] with rows `x_stride` floats apart and unit column stride; packed: the
+// weight as above, 64-byte aligned, `num_panels` panels of which the first `num_columns`
+// columns are real; bias: float32 [num_columns] or NULL; out: contiguous float32
+// [rows, num_columns]. Panels are split over `num_threads` threads in contiguous runs.
+void f32_matmul(const float* x, int64_t x_stride, const float* packed, const float* bias,
+                float* out, int64_t rows, int64_t k, int64_t num_panels, int64_t num_columns,
+                int32_t num_threads) {
+#if defined(F32_MATMUL_BUILT)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+        panel_run(x, x_stride, packed, bias, out, rows, k, num_columns, num_panels * part / parts,
+                  num_panels * (part + 1) / parts);
+    }
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)rows, (void)k;
+    (void)num_panels, (void)num_columns, (void)num_threads;
+#endif
+}

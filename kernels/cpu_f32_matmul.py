@@ -1,0 +1,85 @@
+"""float32 matmuls on CPU through `cpu_f32_matmul.c` (AVX2 + FMA, no AVX-512).
+
+The CPU worker's float32 linears and LM head run on it where it is built: faster than oneDNN
+at every batch size on an AVX2 CPU (benchmarks/results/avx2/linears.md), and without
+oneDNN's per-shape set-up, which the engine's ever-changing batch sizes pay again and again.
+`F32MatmulWeight.pack(w)` is None where the kernel cannot run (no C kernels, a CPU with
+AVX-512 or without AVX2/FMA, a weight that is not a float32 CPU matrix); callers then keep
+oneDNN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.math_utils import round_up
+from kernels import cpu_kernel_loader
+
+ALIGNMENT_BYTES = 64  # the kernel's aligned loads need 32; torch's CPU allocator gives 64
+
+
+@dataclass(slots=True, frozen=True)
+class F32MatmulWeight:
+    """A [num_columns, k] float32 weight packed for the kernel: rows padded to a multiple of
+    `panel_columns` (16) and laid out [padded / 16][k][16], one 64-byte line per k of a
+    panel."""
+
+    packed: torch.Tensor
+    num_columns: int
+    k: int
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> F32MatmulWeight | None:
+        library = cpu_kernel_loader.load()
+        panel_columns = library.f32_matmul_panel_columns() if library is not None else 0
+        if (
+            panel_columns == 0
+            or weight.dtype != torch.float32
+            or weight.device.type != "cpu"
+            or weight.dim() != 2
+        ):
+            return None
+        num_columns, k = weight.shape
+        padded = round_up(num_columns, panel_columns)
+        rows = torch.zeros(padded, k, dtype=torch.float32)
+        rows[:num_columns] = weight.detach()
+        packed = rows.view(padded // panel_columns, panel_columns, k).transpose(1, 2).contiguous()
+        if packed.data_ptr() % ALIGNMENT_BYTES:
+            raise RuntimeError(f"packed weight at {packed.data_ptr():#x} is not 64-byte aligned")
+        return F32MatmulWeight(packed, num_columns, k)
+
+    def matmul(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """x [..., k] -> x W^T + bias, [..., num_columns] float32 (`out_dtype` None or
+        float32), summed in float32. Called for every linear of every step, so a float32 x
+        with unit column stride goes to the kernel as it is (any row stride)."""
+        if x.shape[-1] != self.k:
+            raise ValueError(f"f32 matmul needs x of shape [..., {self.k}], got {tuple(x.shape)}")
+        if out_dtype not in (None, torch.float32):
+            raise ValueError(f"f32 matmul outputs float32, not {out_dtype}")
+        leading = x.shape[:-1]
+        rows = x.reshape(-1, self.k).to(torch.float32)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if bias is not None:
+            bias = bias.to(torch.float32).contiguous()
+        out = torch.empty((*leading, self.num_columns), dtype=torch.float32)
+        cpu_kernel_loader.load().f32_matmul(
+            rows.data_ptr(),
+            rows.stride(0),
+            self.packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows.shape[0],
+            self.k,
+            self.packed.shape[0],
+            self.num_columns,
+            torch.get_num_threads(),
+        )
+        return out

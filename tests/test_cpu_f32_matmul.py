@@ -1,0 +1,170 @@
+"""The float32 matmul kernel of the CPU worker (AVX2 + FMA, float32 linears and LM head)
+against float64.
+
+The kernel sums float32 products in float32, one k after another per output: its error
+against a float64 matmul of the same operands is float32 summation error, at most about
+k * 2^-24 of the sum of |products| (the bound below, with room to spare, is 1e-6 of it).
+On a CPU whose default build does not hold the kernel (AVX-512), the AVX2 build is compiled
+here with `-mno-avx512f` and tested instead; a CPU without AVX2/FMA has no kernel to test.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_kernel_loader
+from kernels.cpu_f32_matmul import F32MatmulWeight
+from worker.cpu_features import host_cpu_flags
+from worker.cpu_linear import pack_linears
+from worker.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    """A kernel library that holds the float32 matmul: the default build, or the AVX2 build
+    on a CPU with AVX-512."""
+    default = cpu_kernel_loader.load()
+    if default is None:
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    if default.f32_matmul_panel_columns() > 0:
+        return default
+    if not {"avx2", "fma"} <= host_cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA, which the float32 matmul kernel needs")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    cache = tmp_path_factory.mktemp("avx2-kernels")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_kernel_loader.CACHE_ENV, str(cache))
+        built = cpu_kernel_loader.build(compiler, ("-mno-avx512f",))
+    return cpu_kernel_loader.open_library(built)
+
+
+@pytest.fixture
+def kernel(library, monkeypatch):
+    """Makes `cpu_kernel_loader.load` return the library under test."""
+    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
+    assert library.f32_matmul_panel_columns() == 16
+    return library
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_float32_sums(out, x, weight, bias=None) -> None:
+    expected = x.double() @ weight.double().T
+    bound = (x.double().abs() @ weight.double().abs().T) * 1e-6 + 1e-6
+    if bias is not None:
+        expected = expected + bias.double()
+    assert out.dtype == torch.float32 and out.shape == expected.shape
+    assert bool(((out.double() - expected).abs() <= bound).all())
+
+
+def with_threads(num_threads: int, function):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        return function()
+    finally:
+        torch.set_num_threads(previous)
+
+
+# Rows 1..13 cover every row tail of the 6-row tiles; 20, 40 and 70 columns end inside a panel
+# (in its first or second half), 1 panel and several; k from 1 to the default model's widest.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13])
+@pytest.mark.parametrize(("columns", "k"), [(16, 1), (20, 576), (40, 3), (70, 1536), (128, 64)])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_output_matches_float64_for_every_tail(kernel, rows, columns, k, num_threads):
+    weight, x = randn(columns, k, seed=columns), randn(rows, k, seed=rows)
+    packed = F32MatmulWeight.pack(weight)
+    assert packed is not None and packed.packed.shape == ((columns + 15) // 16, k, 16)
+    out = with_threads(num_threads, lambda: packed.matmul(x))
+    assert out.is_contiguous()
+    assert_float32_sums(out, x, weight)
+
+
+@pytest.mark.parametrize("columns", [16, 27, 100])
+def test_bias_is_added_to_real_columns_only(kernel, columns):
+    weight, bias, x = randn(columns, 48, seed=1), randn(columns, seed=2), randn(2, 3, 48, seed=3)
+    out = F32MatmulWeight.pack(weight).matmul(x, bias)
+    assert out.shape == (2, 3, columns)
+    assert_float32_sums(out.view(6, columns), x.view(6, 48), weight, bias)
+
+
+def test_many_rows_and_a_strided_input(kernel):
+    """A prompt-sized batch, and x as every other row of a wider tensor (a view the kernel
+    reads in place): both equal the float64 product."""
+    weight = randn(96, 64, seed=4)
+    packed = F32MatmulWeight.pack(weight)
+    x = randn(1030, 64, seed=5)
+    assert_float32_sums(packed.matmul(x), x, weight)
+    wide = randn(40, 128, seed=6)
+    view = wide[::2, 32:96]
+    assert view.stride() == (256, 1)
+    assert_float32_sums(packed.matmul(view), view, weight)
+
+
+def test_padding_columns_are_never_stored(kernel):
+    """The output has exactly num_columns columns; the next row's first columns, which a
+    store of a whole padded panel would overwrite, keep the right values."""
+    weight = randn(17, 8, seed=7)
+    x = randn(7, 8, seed=8)
+    out = F32MatmulWeight.pack(weight).matmul(x)
+    assert out.shape == (7, 17)
+    assert_float32_sums(out, x, weight)
+
+
+def test_empty_batch(kernel):
+    out = F32MatmulWeight.pack(randn(32, 8, seed=9)).matmul(torch.empty(0, 8))
+    assert out.shape == (0, 32)
+
+
+def test_what_the_kernel_cannot_take_is_refused(kernel):
+    assert F32MatmulWeight.pack(randn(64, 8, seed=0).bfloat16()) is None
+    assert F32MatmulWeight.pack(randn(64, seed=0)) is None  # not a matrix
+    packed = F32MatmulWeight.pack(randn(64, 8, seed=0))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        packed.matmul(randn(2, 6, seed=1))
+    with pytest.raises(ValueError, match="bfloat16"):
+        packed.matmul(randn(2, 8, seed=1), out_dtype=torch.bfloat16)
+
+
+def test_disabled_kernels_leave_the_weight_to_onednn():
+    """With the real loader: packed where the default build holds the kernel, never once the
+    kernels are turned off (--enforce-eager)."""
+    weight = randn(64, 8, seed=0)
+    library = cpu_kernel_loader.load()
+    built = library is not None and library.f32_matmul_panel_columns() > 0
+    assert (F32MatmulWeight.pack(weight) is not None) == built
+    cpu_kernel_loader.set_enabled(False)
+    try:
+        assert F32MatmulWeight.pack(weight) is None
+    finally:
+        cpu_kernel_loader.set_enabled(True)
+
+
+def test_float32_linears_and_lm_head_run_on_the_kernel(kernel):
+    up = ColumnParallelLinear(40, 72, bias=True)
+    down = RowParallelLinear(72, 40)
+    head = ParallelLMHead(100, 40)
+    for module, seed in ((up, 10), (down, 11), (head, 12)):
+        for param in module.parameters():
+            param.data = randn(*param.shape, seed=seed)
+    modules = {"up": up, "down": down, "head": head}
+    dense = {name: module.weight.detach().clone() for name, module in modules.items()}
+    bias = up.bias.detach().clone()
+    assert sum(pack_linears(module) for module in (up, down, head)) == 3
+    for module in (up, down, head):
+        assert isinstance(module.kernel_weight, F32MatmulWeight)
+        assert module.weight is None and module.packed_weight is None
+    x = randn(11, 40, seed=13)
+    hidden = up(x)
+    assert_float32_sums(hidden, x, dense["up"], bias)
+    assert_float32_sums(down(hidden), hidden, dense["down"])
+    logits = head.compute_logits(x)
+    assert logits.shape == (11, 100)
+    assert_float32_sums(logits, x, dense["head"])
+    torch.testing.assert_close(logits, F.linear(x, dense["head"]), atol=1e-4, rtol=1e-5)
