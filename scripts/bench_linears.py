@@ -1,14 +1,19 @@
-"""The CPU worker's linears, three ways, on the default model's shapes: the project's bf16
-kernel (`kernels/cpu_bf16_matmul.c`, what a bf16 model runs), oneDNN's bf16 linear on
-pre-packed weights (the alternative the kernel has to beat), and torch's weight-only int8
-matmul (`aten._weight_int8pack_mm`, per-channel scales: the quantized alternative).
+"""The CPU worker's linears, several ways, on the default model's shapes, in one dtype (the
+engine's default on this CPU unless --dtype):
+- bfloat16: the project's bf16 kernel (`kernels/cpu_bf16_matmul.c`, what a bf16 model runs
+  where the CPU has AVX512_BF16), oneDNN's bf16 linear on pre-packed weights (where oneDNN
+  runs bf16), and torch's weight-only int8 matmul (`aten._weight_int8pack_mm`, per-channel
+  scales: the quantized alternative);
+- float32: the project's float32 kernel (`kernels/cpu_f32_matmul.c`, what a float32 model runs
+  on an AVX2 CPU without AVX-512), oneDNN's float32 linear on pre-packed weights (what it runs
+  elsewhere) and plain `F.linear` (MKL, what a model without packing runs).
 
 Each timing runs the linears of all decoder layers in order (qkv, o, gate_up, down, 30 times
 for SmolLM2-135M), so the weights stream from memory as in a real step rather than sitting in
 cache. Reported per batch size (rows): milliseconds per pass and each way's speed relative to
-the bf16 kernel, measured in the same run, alternating.
+the first way (the engine's), measured in the same run, alternating.
 
-    python -m scripts.bench_linears [--quick] [--rows 1 8 28 64 256]
+    python -m scripts.bench_linears [--quick] [--dtype float32] [--rows 1 8 28 64 256]
 """
 
 from __future__ import annotations
@@ -19,14 +24,18 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.dtypes import torch_dtype
 from kernels.cpu_bf16_matmul import Bf16MatmulWeight
+from kernels.cpu_f32_matmul import F32MatmulWeight
 from scripts.bench_common import (
     RESULTS_DIR,
     default_num_threads,
+    engine_default_dtype,
     machine_info,
     markdown_table,
     result_name,
@@ -46,14 +55,19 @@ def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale.to(torch.bfloat16)
 
 
-def build_ways(num_layers: int) -> dict:
-    """name -> (list of per-linear callables x -> y) for every way available on this CPU."""
+def build_ways(num_layers: int, dtype: torch.dtype) -> dict:
+    """name -> (list of per-linear callables x -> y) for every way available on this CPU, the
+    engine's own way first."""
     generator = torch.Generator().manual_seed(0)
     weights = [
-        torch.randn(shape, generator=generator).to(torch.bfloat16)
+        torch.randn(shape, generator=generator).to(dtype)
         for _ in range(num_layers)
         for shape in LAYER_SHAPES
     ]
+    return bf16_ways(weights) if dtype == torch.bfloat16 else float32_ways(weights)
+
+
+def bf16_ways(weights: list[torch.Tensor]) -> dict:
     ways = {}
     kernel = [Bf16MatmulWeight.pack(w) for w in weights]
     if all(k is not None for k in kernel):
@@ -65,6 +79,17 @@ def build_ways(num_layers: int) -> dict:
     ways["torch int8 weight-only"] = [
         lambda x, q=q, s=s: torch.ops.aten._weight_int8pack_mm(x, q, s) for q, s in quantized
     ]
+    return ways
+
+
+def float32_ways(weights: list[torch.Tensor]) -> dict:
+    ways = {}
+    kernel = [F32MatmulWeight.pack(w) for w in weights]
+    if all(k is not None for k in kernel):
+        ways["f32 kernel"] = [lambda x, k=k: k.matmul(x) for k in kernel]
+    packed = [pack_weight(w) for w in weights]
+    ways["oneDNN float32"] = [lambda x, p=p: packed_linear(x, p, None) for p in packed]
+    ways["F.linear float32"] = [lambda x, w=w: F.linear(x, w) for w in weights]
     return ways
 
 
@@ -81,11 +106,11 @@ def time_pass(linears: list, inputs: dict[int, torch.Tensor], repeats: int) -> f
     return sorted(times)[len(times) // 2]
 
 
-def measure(rows_list: list[int], num_layers: int, repeats: int) -> list[dict]:
-    ways = build_ways(num_layers)
+def measure(rows_list: list[int], num_layers: int, repeats: int, dtype: torch.dtype) -> list[dict]:
+    ways = build_ways(num_layers, dtype)
     results = []
     for rows in rows_list:
-        inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (576, 1536)}
+        inputs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
         for linears in ways.values():
             time_pass(linears, inputs, 1)  # warm-up
         ms = {name: time_pass(linears, inputs, repeats) for name, linears in ways.items()}
@@ -96,7 +121,7 @@ def measure(rows_list: list[int], num_layers: int, repeats: int) -> list[dict]:
 
 def render_markdown(result: dict) -> str:
     names = list(result["rows"][0]["ms_per_pass"])
-    baseline = "bf16 kernel" if "bf16 kernel" in names else names[0]
+    baseline = names[0]
     header = ["rows", *(f"{name} ms" for name in names), *(
         f"{name} / {baseline}" for name in names if name != baseline
     )]  # fmt: skip
@@ -107,7 +132,7 @@ def render_markdown(result: dict) -> str:
         table_rows.append([row["rows"], *(f"{ms[name]:.2f}" for name in names), *ratios])
     return (
         f"### Linears of {result['num_layers']} SmolLM2-135M layers on CPU "
-        f"({result['threads']} threads, weights streamed from memory)\n\n"
+        f"({result['dtype']}, {result['threads']} threads, weights streamed from memory)\n\n"
         + markdown_table(header, table_rows)
         + f"\n\nTime ratios above 1 are slower than the {baseline}. Median of "
         f"{result['repeats']} passes per cell.\n"
@@ -119,20 +144,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few seconds")
     parser.add_argument("--rows", type=int, nargs="+", default=None)
     parser.add_argument("--threads", type=int, default=0, help="default: every usable core")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=None, help="default: the engine's"
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     threads = args.threads or default_num_threads()
     torch.set_num_threads(threads)
     rows_list = args.rows or ([1, 28] if args.quick else [1, 8, 28, 64, 256])
     num_layers, repeats = (2, 3) if args.quick else (NUM_LAYERS, 7)
+    dtype_name = args.dtype or engine_default_dtype("cpu")
     result = {
         "benchmark": "linears",
         "quick": args.quick,
         "machine": machine_info(),
         "threads": threads,
+        "dtype": dtype_name,
         "num_layers": num_layers,
         "repeats": repeats,
-        "rows": measure(rows_list, num_layers, repeats),
+        "rows": measure(rows_list, num_layers, repeats, torch_dtype(dtype_name)),
     }
     write_results(
         result, render_markdown(result), args.output_dir, result_name("linears", args.quick)
