@@ -96,7 +96,9 @@ static void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t 
 }
 
 // Every row tile of panels [first_panel, end_panel), prefetching each panel's successor
-// within the run.
+// within the run. Rows are split evenly over the fewest tiles of at most TILE_ROWS (27 rows:
+// 6, 6, 5, 5, 5): a tile of r rows keeps 2r FMA chains going, and below 4 rows (8 chains, two
+// FMA units of latency 4) it waits on its own sums.
 static void panel_run(const float* x, int64_t x_stride, const float* packed, const float* bias,
                       float* out, int64_t rows, int64_t k, int64_t num_columns,
                       int64_t first_panel, int64_t end_panel) {
@@ -108,8 +110,8 @@ static void panel_run(const float* x, int64_t x_stride, const float* packed, con
         const int64_t first_column = p * PANEL_COLUMNS;
         const int64_t columns_left = num_columns - first_column;
         for (int64_t t = 0; t < num_tiles; ++t) {
-            const int64_t row = t * TILE_ROWS;
-            const int num_rows = rows - row < TILE_ROWS ? (int)(rows - row) : TILE_ROWS;
+            const int64_t row = rows * t / num_tiles;
+            const int num_rows = (int)(rows * (t + 1) / num_tiles - row);
             const int64_t first_line = next_lines * t / num_tiles;
             const int64_t end_line = next_lines * (t + 1) / num_tiles;
             const TileOutput o = {
