@@ -129,8 +129,9 @@ static inline float dot_bf16(const float* restrict a, const uint16_t* restrict b
 }
 
 // out += sum over keys of weights[key] * v[key * stride], n elements of float32 or, when
-// `bf16` (a compile-time constant once inlined), bf16 values; with AVX-512 (n <= 256) or AVX2
-// and float32 values (n <= 128) the sum stays in registers and `out` is read and written once.
+// `bf16` (a compile-time constant once inlined), bf16 values; with AVX-512 (n <= 256) the sum
+// stays in registers and `out` is read and written once. (AVX2 with a float32 cache sums a
+// whole GQA group at once instead: value_block_f32.)
 static inline void add_weighted_sum(float* restrict out, const void* v, int64_t stride,
                                     const float* restrict weights, int32_t num_keys, int32_t n,
                                     int bf16) {
@@ -149,19 +150,6 @@ static inline void add_weighted_sum(float* restrict out, const void* v, int64_t 
             }
         }
         for (int32_t c = 0; c < n / 16; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
-        return;
-    }
-#elif VECTOR_FLOATS == 8
-    if (!bf16 && n <= 128) {
-        __m256 acc[16];
-        for (int32_t c = 0; c < n / 8; ++c) acc[c] = _mm256_loadu_ps(out + c * 8);
-        for (int32_t key = 0; key < num_keys; ++key) {
-            const __m256 weight = _mm256_set1_ps(weights[key]);
-            const float* row = (const float*)v + key * stride;
-            for (int32_t c = 0; c < n / 8; ++c)
-                acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + c * 8), acc[c]);
-        }
-        for (int32_t c = 0; c < n / 8; ++c) _mm256_storeu_ps(out + c * 8, acc[c]);
         return;
     }
 #endif
@@ -340,17 +328,18 @@ static inline __m256 sum_each_of_8(const __m256 p[AVX2_KEYS]) {
 }
 
 // Scaled scores of query row q against n <= 8 float32 keys whose head rows start at k,
-// token_stride floats apart; only the n real keys are read and stored.
-static inline void score_8_keys(const float* q, const float* k, int64_t token_stride,
-                                int32_t head_dim, int32_t n, float scale, float* out) {
+// token_stride floats apart; only the n real keys are read and stored. `n` is a compile-time
+// constant once inlined (see score_8_keys), so the key loop has no branches.
+static inline void score_n_keys(const float* q, const float* k, int64_t token_stride,
+                                int32_t head_dim, const int32_t n, float scale, float* out) {
     __m256 part[AVX2_KEYS];
+#pragma GCC unroll 8
     for (int j = 0; j < AVX2_KEYS; ++j) part[j] = _mm256_setzero_ps();
     for (int32_t c = 0; c < head_dim; c += 8) {
         const __m256 query = _mm256_loadu_ps(q + c);
-        for (int j = 0; j < AVX2_KEYS; ++j)
-            if (j < n)
-                part[j] = _mm256_fmadd_ps(query, _mm256_loadu_ps(k + j * token_stride + c),
-                                          part[j]);
+#pragma GCC unroll 8
+        for (int j = 0; j < n; ++j)
+            part[j] = _mm256_fmadd_ps(query, _mm256_loadu_ps(k + j * token_stride + c), part[j]);
     }
     const __m256 sums = _mm256_mul_ps(sum_each_of_8(part), _mm256_set1_ps(scale));
     if (n == AVX2_KEYS) {
@@ -360,6 +349,21 @@ static inline void score_8_keys(const float* q, const float* k, int64_t token_st
     float lanes[AVX2_KEYS];
     _mm256_storeu_ps(lanes, sums);
     memcpy(out, lanes, sizeof(float) * n);
+}
+
+// score_n_keys with every key count its own code: 8 (all but a block's last keys) first.
+static inline void score_8_keys(const float* q, const float* k, int64_t token_stride,
+                                int32_t head_dim, int32_t n, float scale, float* out) {
+    switch (n) {
+        case 8: score_n_keys(q, k, token_stride, head_dim, 8, scale, out); break;
+        case 7: score_n_keys(q, k, token_stride, head_dim, 7, scale, out); break;
+        case 6: score_n_keys(q, k, token_stride, head_dim, 6, scale, out); break;
+        case 5: score_n_keys(q, k, token_stride, head_dim, 5, scale, out); break;
+        case 4: score_n_keys(q, k, token_stride, head_dim, 4, scale, out); break;
+        case 3: score_n_keys(q, k, token_stride, head_dim, 3, scale, out); break;
+        case 2: score_n_keys(q, k, token_stride, head_dim, 2, scale, out); break;
+        default: score_n_keys(q, k, token_stride, head_dim, 1, scale, out);
+    }
 }
 
 // score_block for a float32 cache: each query row against 8 keys at a time.
@@ -384,6 +388,102 @@ static inline void score_block_f32(const Problem* p, const Request* r, const flo
                     score_8_keys(r->query + row * head_dim, k0 + (int64_t)kv_head * head_dim,
                                  r->token_stride, head_dim, n, p->scale,
                                  scores + row * r->seq_len + key0);
+        }
+    }
+}
+
+// Up to WEIGHTED_ROWS query rows of one KV head times `num_vectors` (<= WEIGHTED_VECTORS, both
+// compile-time constants once inlined) 8-float chunks of the head: out[r] += sum over keys of
+// weights[r][key] * v[key]. The rows share every value load (a GQA group reads V once), with
+// 4 x 3 sums, 3 weights and 1 value in the 16 registers. When `next` is not NULL, the lines of
+// the same chunk of the next block's rows (`next + key * stride`) are prefetched, one key at a
+// time, so the next block streams in while this one is summed.
+#define WEIGHTED_ROWS 3
+#define WEIGHTED_VECTORS 4
+
+static inline void weighted_rows(float* out, int32_t out_stride, const float* v, int64_t stride,
+                                 const float* weights, int32_t weight_stride, int32_t num_keys,
+                                 const char* next, const int num_rows, const int num_vectors) {
+    __m256 acc[WEIGHTED_ROWS][WEIGHTED_VECTORS];
+#pragma GCC unroll 4
+    for (int r = 0; r < num_rows; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < num_vectors; ++c) acc[r][c] = _mm256_loadu_ps(out + r * out_stride + c * 8);
+    for (int32_t key = 0; key < num_keys; ++key) {
+        if (next != NULL) {
+            const char* line = next + key * stride * 4;
+            prefetch_line(line);
+            if (num_vectors > 2) prefetch_line(line + 64);
+        }
+        __m256 weight[WEIGHTED_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < num_rows; ++r)
+            weight[r] = _mm256_broadcast_ss(weights + r * weight_stride + key);
+        const float* row = v + key * stride;
+#pragma GCC unroll 4
+        for (int c = 0; c < num_vectors; ++c) {
+            const __m256 values = _mm256_loadu_ps(row + c * 8);
+#pragma GCC unroll 4
+            for (int r = 0; r < num_rows; ++r)
+                acc[r][c] = _mm256_fmadd_ps(weight[r], values, acc[r][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < num_rows; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < num_vectors; ++c) _mm256_storeu_ps(out + r * out_stride + c * 8, acc[r][c]);
+}
+
+// weighted_rows with every (rows, chunks) pair its own code.
+static inline void weighted_rows_any(float* out, int32_t out_stride, const float* v,
+                                     int64_t stride, const float* weights, int32_t weight_stride,
+                                     int32_t num_keys, const char* next, int num_rows,
+                                     int num_vectors) {
+#define WEIGHTED_CASE(R, C)                                                                    \
+    case (R) * 8 + (C):                                                                        \
+        weighted_rows(out, out_stride, v, stride, weights, weight_stride, num_keys, next, R, C); \
+        break
+    switch (num_rows * 8 + num_vectors) {
+        WEIGHTED_CASE(1, 1); WEIGHTED_CASE(1, 2); WEIGHTED_CASE(1, 3); WEIGHTED_CASE(1, 4);
+        WEIGHTED_CASE(2, 1); WEIGHTED_CASE(2, 2); WEIGHTED_CASE(2, 3); WEIGHTED_CASE(2, 4);
+        WEIGHTED_CASE(3, 1); WEIGHTED_CASE(3, 2); WEIGHTED_CASE(3, 3); WEIGHTED_CASE(3, 4);
+    }
+#undef WEIGHTED_CASE
+}
+
+// value_block for a float32 cache: each query token's group rows of a KV head together,
+// WEIGHTED_ROWS rows and WEIGHTED_VECTORS chunks at a time. The next block's rows of the
+// item's KV heads are prefetched along the first token's first rows, one key at a time (the
+// keys it does not see, in one go after them).
+static inline void value_block_f32(const Problem* p, const Request* r, const float* v,
+                                   const char* next, int32_t start, int32_t end,
+                                   int32_t head_dim, const float* scores) {
+    const int32_t first_token = start > r->context ? start - r->context : 0;
+    for (int32_t t = first_token; t < r->q_len; ++t) {
+        const int32_t visible_end = MIN(end, r->context + t + 1);
+        const int32_t visible_start = MAX(start, first_visible_key(p, r, t));
+        const int32_t num_keys = MAX(0, visible_end - visible_start);
+        for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head) {
+            const int64_t first_row = (int64_t)t * p->num_q_heads + (int64_t)kv_head * r->group;
+            const int64_t head_offset = (int64_t)kv_head * head_dim;
+            const float* v_head =
+                v + (int64_t)(visible_start - start) * r->token_stride + head_offset;
+            for (int32_t row0 = 0; row0 < r->group; row0 += WEIGHTED_ROWS) {
+                const int num_rows = MIN(WEIGHTED_ROWS, r->group - row0);
+                const int64_t row = first_row + row0;
+                const int prefetches = next != NULL && t == first_token && row0 == 0;
+                for (int32_t d = 0; d < head_dim; d += 8 * WEIGHTED_VECTORS) {
+                    const int num_vectors = MIN(WEIGHTED_VECTORS, (head_dim - d) / 8);
+                    const char* next_chunk = prefetches ? next + (head_offset + d) * 4 : NULL;
+                    weighted_rows_any(r->out + row * head_dim + d, head_dim, v_head + d,
+                                      r->token_stride, scores + row * r->seq_len + visible_start,
+                                      r->seq_len, num_keys, next_chunk, num_rows, num_vectors);
+                    if (next_chunk != NULL)
+                        for (int32_t key = num_keys; key < end - start; ++key)
+                            prefetch_row(next_chunk + key * r->token_stride * 4,
+                                         num_vectors * 32);
+                }
+            }
         }
     }
 }
@@ -535,6 +635,12 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
         if (p->fast_bf16) {
             value_block_bf16(p, &r, (const uint16_t*)v, start, end, head_dim, scores,
                              scratch->widened_values);
+            continue;
+        }
+#endif
+#if VECTOR_FLOATS == 8
+        if (elem == 4) {
+            value_block_f32(p, &r, (const float*)v, next, start, end, head_dim, scores);
             continue;
         }
 #endif
