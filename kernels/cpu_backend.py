@@ -1,15 +1,16 @@
-"""CPU backend: a C kernel for short queries, the torch reference's SDPA for long ones.
+"""CPU backend: C kernels for short and long queries, the torch reference's SDPA elsewhere.
 
 Same functions and contracts as `kernels/torch_reference.py`. Requests with at most
 SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks), more on AVX2 with a float32
 cache, and every request where the kernel's bf16 fast path applies, go to
-`cpu_paged_attention.c`, which
-reads K/V straight from the paged cache: no gather copy, no padding to a chunk's longest
-request. Longer queries (prefill chunks) are matmul-bound and stay on SDPA's fused kernel.
-The C kernel reads float32 or bfloat16 caches (queries and sums in float32), and its head size
-must be a multiple of its vector width; other caches run wholly on the torch reference. Both
-paths take a sliding window (the kernel gives keys before it weight 0; SDPA masks them).
-"""
+`cpu_paged_attention.c`, which reads K/V straight from the paged cache: no gather copy, no
+padding to a chunk's longest request. Where `cpu_prefill_attention.c` is built (AVX2 without
+AVX-512) and the cache is float32, longer queries go to it (flash-attention order on matmul
+tiles, again straight from the paged cache); elsewhere they are matmul-bound and stay on
+SDPA's fused kernel. The decode kernel reads float32 or bfloat16 caches (queries and sums in
+float32), and its head size must be a multiple of its vector width; other caches run wholly on
+the torch reference. Every path takes a sliding window (the kernels give keys before it
+weight 0; SDPA masks them)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ FAST_BF16_QUERY_MAX_TOKENS = sys.maxsize
 AVX2_FLOAT32_QUERY_MAX_TOKENS = 512
 # Query tokens of one kernel work item; longer requests are split (see _build_plan).
 QUERY_TILE_TOKENS = 64
+# Where the prefill kernel runs (a float32 cache on AVX2), it takes every query of more than
+# SHORT_QUERY_MAX_TOKENS tokens over at least this many (query token, key) pairs, and every
+# query above the decode kernel's limit: it was faster from there on (1.25-1.4x the decode
+# kernel's tiles on 1,000-token prompts, 1.35x SDPA), while the tiles keep short prompts
+# (8 x 32 tokens: 0.88x).
+PREFILL_KERNEL_MIN_PAIRS = 2048
 
 
 def reshape_and_cache(
@@ -83,12 +90,13 @@ def is_available() -> bool:
 
 @dataclass(slots=True, frozen=True)
 class _CpuPlan:
-    """One step's split (short requests for the kernel, long ones for SDPA) and the int32
-    contiguous metadata the kernel reads, built once for all layers."""
+    """One step's split (short requests for the kernel, long ones for the prefill kernel or
+    SDPA) and the int32 contiguous metadata the kernels read, built once for all layers."""
 
-    short_requests: torch.Tensor  # int32 [S]: request indices
+    short_requests: torch.Tensor  # int32 [S]: item indices for cpu_paged_attention.c
     max_query_x_seq_len: int  # max over the short requests of q_len * seq_len
-    long_requests: list[torch_reference.PrefillRequest]
+    prefill_requests: torch.Tensor  # int32 [P]: item indices for cpu_prefill_attention.c
+    long_requests: list[torch_reference.PrefillRequest]  # for SDPA
     block_table: torch.Tensor  # int32 [B, max_blocks]
     seq_lens: torch.Tensor  # int32 [B]
     query_start: torch.Tensor  # int32 [B + 1]
@@ -112,12 +120,16 @@ def paged_attention(
     dtype = query.dtype
     result = torch.empty(query.shape, dtype=torch.float32)
     query = query.float().contiguous()
+    takes_prefill = _prefill_kernel_takes(library, query.shape[1], kv_cache)
     limit = _query_limit(library, dtype, kv_cache)
     plan = metadata.cached(
-        ("cpu", kv_cache.shape[2], limit), lambda: _build_plan(metadata, kv_cache, limit)
+        ("cpu", kv_cache.shape[2], limit, takes_prefill),
+        lambda: _build_plan(metadata, kv_cache, limit, takes_prefill),
     )
     for request in plan.long_requests:
         torch_reference.prefill_attention(query, kv_cache, scale, result, request, sliding_window)
+    if len(plan.prefill_requests):
+        _run_prefill_kernel(library, query, kv_cache, scale, sliding_window, plan, result)
     if len(plan.short_requests):
         _run_kernel(
             library, query, dtype == torch.bfloat16, kv_cache, scale, sliding_window, plan, result
@@ -150,6 +162,29 @@ def _bf16_fast_path(library: ctypes.CDLL, head_dim: int, block_size: int) -> boo
     """Whether the kernel takes its bf16 fast path for a bf16 model of these shapes (the kernel
     decides; asked once per shape)."""
     return bool(library.paged_attention_bf16_fast_path(head_dim, block_size))
+
+
+@functools.cache
+def _prefill_tile_tokens(library: ctypes.CDLL, group: int, head_dim: int) -> int:
+    """Query tokens per work item of the prefill kernel; 0 where it does not run (asked once
+    per shape)."""
+    return library.prefill_attention_tile_tokens(group, head_dim)
+
+
+def _prefill_kernel_takes(library: ctypes.CDLL, num_q_heads: int, kv_cache: torch.Tensor) -> bool:
+    """Whether long queries over this cache go to cpu_prefill_attention.c: a float32 cache,
+    a build that holds it (AVX2 without AVX-512) and a head size it takes."""
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    return (
+        kv_cache.dtype == torch.float32
+        and num_q_heads % num_kv_heads == 0
+        and _prefill_tile_tokens(library, num_q_heads // num_kv_heads, head_dim) > 0
+    )
+
+
+def _suits_prefill_kernel(q_len: int, seq_len: int) -> bool:
+    """Whether a query the decode kernel could take is faster on the prefill kernel."""
+    return q_len > SHORT_QUERY_MAX_TOKENS and q_len * seq_len >= PREFILL_KERNEL_MIN_PAIRS
 
 
 def _query_limit(library: ctypes.CDLL, query_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
@@ -205,26 +240,67 @@ def _run_kernel(
         raise MemoryError(f"CPU attention could not allocate {scratch_floats * 4} bytes of scores")
 
 
-def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, query_limit: int) -> _CpuPlan:
+def _run_prefill_kernel(
+    library: ctypes.CDLL,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    plan: _CpuPlan,
+    result: torch.Tensor,
+) -> None:
+    """Fills the prefill requests' rows of `result` (query and result contiguous float32)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    status = library.prefill_attention(
+        query.data_ptr(),
+        kv_cache.data_ptr(),
+        plan.block_table.data_ptr(),
+        plan.block_table.shape[1],
+        plan.seq_lens.data_ptr(),
+        plan.query_start.data_ptr(),
+        plan.prefill_requests.data_ptr(),
+        len(plan.prefill_requests),
+        num_blocks,
+        block_size,
+        query.shape[1],
+        num_kv_heads,
+        head_dim,
+        scale,
+        sliding_window or 0,
+        result.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("CPU prefill attention could not allocate its panels")
+
+
+def _build_plan(
+    metadata: AttentionMetadata, kv_cache: torch.Tensor, query_limit: int, takes_prefill: bool
+) -> _CpuPlan:
     """The kernel sees work items, not requests: a request of more than QUERY_TILE_TOKENS
     query tokens becomes one item per tile of them (its seq_len cut at the tile's last token,
     so causality is unchanged), which bounds each thread's score rows to a tile's and spreads
     one long prompt over every thread. Items cover the step's tokens in order, so one
-    query_start array serves them all; requests for SDPA get an item the kernel never runs."""
+    query_start array serves them all. A request above `query_limit` gets one item that the
+    prefill kernel runs (`takes_prefill`) or that no kernel runs (SDPA takes it); with
+    `takes_prefill`, so does a shorter one that `_suits_prefill_kernel`."""
     block_size = kv_cache.shape[2]
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
-    item_rows, item_starts, item_seq_lens, kernel_items = [], [], [], []
+    item_rows, item_starts, item_seq_lens, kernel_items, prefill_items = [], [], [], [], []
     long_requests, max_query_x_seq_len = [], 0
     block_table = None
     for row, seq_len in enumerate(seq_lens):
         q_start, q_len = starts[row], starts[row + 1] - starts[row]
-        if q_len > query_limit:
-            if block_table is None:
-                block_table = metadata.block_table.long()
-            long_requests.append(
-                torch_reference.prefill_request(row, starts, seq_len, block_table, block_size)
-            )
+        if q_len > query_limit or (takes_prefill and _suits_prefill_kernel(q_len, seq_len)):
+            if takes_prefill:
+                prefill_items.append(len(item_rows))
+            else:
+                if block_table is None:
+                    block_table = metadata.block_table.long()
+                long_requests.append(
+                    torch_reference.prefill_request(row, starts, seq_len, block_table, block_size)
+                )
             item_rows.append(row), item_starts.append(q_start), item_seq_lens.append(seq_len)
             continue
         context = seq_len - q_len
@@ -244,6 +320,7 @@ def _build_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, query_limit
     return _CpuPlan(
         short_requests=torch.tensor(kernel_items, dtype=torch.int32),
         max_query_x_seq_len=max_query_x_seq_len,
+        prefill_requests=torch.tensor(prefill_items, dtype=torch.int32),
         long_requests=long_requests,
         block_table=metadata.block_table.index_select(0, rows).to(torch.int32).contiguous(),
         seq_lens=torch.tensor(item_seq_lens, dtype=torch.int32),

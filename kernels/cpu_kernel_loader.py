@@ -1,6 +1,7 @@
 """Builds the C kernels of the CPU worker with the system compiler, once per machine.
 
-One shared library holds them all: paged attention (`cpu_paged_attention.c`), the fused
+One shared library holds them all: paged attention (`cpu_paged_attention.c`, and
+`cpu_prefill_attention.c` for long queries over a float32 cache on AVX2), the fused
 elementwise ops of a decoder layer (`cpu_fused_ops.c`), the bf16 matmul of a bf16
 model's linears and LM head (`cpu_bf16_matmul.c`) and the float32 matmul of a float32 model's
 on CPUs without AVX-512 (`cpu_f32_matmul.c`). It is compiled with `-march=native`,
@@ -34,6 +35,7 @@ SOURCES = tuple(
     KERNEL_DIR / name
     for name in (
         "cpu_paged_attention.c",
+        "cpu_prefill_attention.c",
         "cpu_fused_ops.c",
         "cpu_bf16_matmul.c",
         "cpu_f32_matmul.c",
@@ -200,6 +202,30 @@ def _declare(library: ctypes.CDLL) -> None:
             f32,  # scale
             i32,  # sliding_window (0: none)
             i64,  # max_rows_x_len
+            pointer,  # out
+            i32,  # num_threads
+        ],
+        ctypes.c_int,
+    )
+    _signature(library.prefill_attention_tile_tokens, [i32, i32], ctypes.c_int)
+    _signature(
+        library.prefill_attention,
+        [
+            pointer,  # query
+            pointer,  # kv_cache
+            pointer,  # block_table
+            i64,  # block_table_stride
+            pointer,  # seq_lens
+            pointer,  # query_start
+            pointer,  # requests
+            i32,  # num_requests
+            i64,  # num_cache_blocks
+            i32,  # block_size
+            i32,  # num_q_heads
+            i32,  # num_kv_heads
+            i32,  # head_dim
+            f32,  # scale
+            i32,  # sliding_window (0: none)
             pointer,  # out
             i32,  # num_threads
         ],

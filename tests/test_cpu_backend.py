@@ -144,20 +144,35 @@ def test_bf16_fast_path_shapes_are_the_kernels_own():
 
 
 def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa(monkeypatch):
+    """Where the prefill kernel does not run (AVX-512 or plain C builds, bf16 caches)."""
     monkeypatch.setattr(cpu_backend, "_query_limit", lambda *args: 16)
+    monkeypatch.setattr(cpu_backend, "_prefill_kernel_takes", lambda *args: False)
     case = make_case([10, 30, 40, 8], [1, 16, 17, 0], 4, 2, 64)
     assert_matches_naive(case, run_backend(case))
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 16)
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 16, False)
     assert plan.short_requests.tolist() == [0, 1]
     assert plan.max_query_x_seq_len == 16 * 30
     assert [(r.q_start, r.q_end, r.seq_len) for r in plan.long_requests] == [(17, 34, 40)]
+    assert plan.prefill_requests.tolist() == []
+
+
+def test_prefill_kernel_takes_long_queries_and_short_ones_over_enough_keys():
+    """With the prefill kernel: queries above 16 tokens over at least PREFILL_KERNEL_MIN_PAIRS
+    (token, key) pairs, and every query above the decode kernel's limit; never SDPA."""
+    case = make_case([10, 30, 200, 600, 130], [1, 30, 17, 600, 16], 4, 2, 64)
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 512, True)
+    assert plan.prefill_requests.tolist() == [2, 3]  # 17 x 200 pairs; 600 tokens > 512
+    assert plan.long_requests == []
+    # 30 x 30 pairs is too little work, 16 tokens a short query; one item per request here
+    assert plan.short_requests.tolist() == [0, 1, 4]
 
 
 def test_kernel_alone_handles_queries_beyond_the_short_limit(monkeypatch):
     """The kernel is exact for any query length; the limit is a speed choice only."""
     monkeypatch.setattr(cpu_backend, "SHORT_QUERY_MAX_TOKENS", 10**6)
+    monkeypatch.setattr(cpu_backend, "_prefill_kernel_takes", lambda *args: False)
     case = make_case([160, 33, 17], [150, 9, 17], 6, 2, 64, seed=3)  # 150: three tiles
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 10**6)
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 10**6, False)
     assert plan.long_requests == []
     assert_matches_naive(case, run_backend(case))
 
