@@ -439,6 +439,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
                         help="both sides' dtype (default: the engine's default for the device)")  # fmt: skip
+    parser.add_argument("--peer-dtype", default=None, choices=DTYPE_NAMES,
+                        help="the peers' dtype, where it differs from the engine's (e.g. vLLM in "
+                        "bfloat16 beside the engine's float32 default on a CPU without native "
+                        "bf16)")  # fmt: skip
     parser.add_argument("--model", default=None, help="engine model (default: SmolLM2 GGUF)")
     parser.add_argument("--hf-model", type=Path, default=None,
                         help="the same weights as an HF folder, for transformers and vLLM")  # fmt: skip
@@ -518,12 +522,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def results_file_name(device: str, peers: list[str]) -> str:
+def results_file_name(device: str, peers: list[str], peer_dtype: str | None = None) -> str:
     """The results' base name: `offline` against transformers alone on cpu (the README's table);
-    the device and the peers otherwise, so that no comparison overwrites another."""
+    the device, the peers and a peer dtype of their own otherwise, so that no comparison
+    overwrites another."""
     name = "offline" if device == "cpu" else f"offline_{device}"
     if peers != ["transformers"]:
         name += "_" + "_".join(peer.replace("-", "_") for peer in peers)
+    if peer_dtype is not None:
+        name += f"_peer_{peer_dtype}"
     return name
 
 
@@ -531,6 +538,7 @@ def main() -> None:
     args = parse_args()
     num_threads = set_num_threads(args.threads)
     dtype_name = args.dtype or engine_default_dtype(args.device)
+    peer_dtype_name = args.peer_dtype if args.peer_dtype != dtype_name else None
     num_prompts = args.num_prompts or (GPU_NUM_PROMPTS if args.device == "cuda" else None)
     machine = machine_info()
     hf_folder = args.hf_model or default_hf_folder(args.model)
@@ -551,7 +559,14 @@ def main() -> None:
         contextlib.ExitStack() as stack,
     ):
         peers = start_peers(
-            args, stack, hf_folder, dtype_name, num_threads, workloads, warm_up, Path(work_dir)
+            args,
+            stack,
+            hf_folder,
+            peer_dtype_name or dtype_name,
+            num_threads,
+            workloads,
+            warm_up,
+            Path(work_dir),
         )
         llm = stack.enter_context(
             LLM(args.model, device=args.device, dtype=dtype_name, **engine_args)
@@ -571,6 +586,7 @@ def main() -> None:
         "machine": machine,
         "device": args.device,
         "dtype": dtype_name,
+        "peer_dtype": peer_dtype_name or dtype_name,
         "model": args.model or "SmolLM2-135M-Instruct Q4_1 GGUF (default)",
         "hf_model_folder": str(hf_folder),
         "engine_args": engine_args,
@@ -585,7 +601,7 @@ def main() -> None:
         "mixed_speedup": mixed_speedup,
         "meets_target": bool(mixed_speedup and mixed_speedup >= TARGET_SPEEDUP),
     }
-    name = results_file_name(args.device, args.peers)
+    name = results_file_name(args.device, args.peers, peer_dtype_name)
     write_results(result, render_markdown(result), args.output_dir, result_name(name, args.quick))
 
 
@@ -624,9 +640,10 @@ def _peer_section(result: dict, peer_name: str, record: dict) -> str:
         cells.append(f"{row['num_requests_first_tokens_agree']}/{row['num_prompts']}")
         table_rows.append(cells)
     threads = result.get("num_threads")
-    conditions = f"{result['device']}, {result['dtype']}" + (
-        f", {threads} threads" if threads else ""
-    )
+    dtypes = result["dtype"]
+    if result.get("peer_dtype", dtypes) != dtypes:
+        dtypes = f"engine {dtypes}, {column} {result['peer_dtype']}"
+    conditions = f"{result['device']}, {dtypes}" + (f", {threads} threads" if threads else "")
     text = (
         f"### Offline throughput: `LLM.generate` vs {record['label']} ({conditions})\n\n"
         f"{markdown_table(header, table_rows)}\n"

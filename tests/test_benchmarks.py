@@ -252,6 +252,8 @@ def test_results_file_names_keep_the_transformers_table_apart():
         "offline_transformers_llama_server"
     )
     assert results_file_name("cuda", ["transformers"]) == "offline_cuda"
+    # peers in a dtype of their own (vLLM bf16 beside a float32 engine) keep their own file
+    assert results_file_name("cpu", ["vllm"], "bfloat16") == "offline_vllm_peer_bfloat16"
 
 
 def test_cpu_list_text_joins_ranges():
@@ -310,6 +312,10 @@ def test_offline_markdown_has_a_table_per_peer():
     assert "Mixed workload: engine / transformers = **2.50x** (target >= 2x, met)" in text
     only_vllm = bench_offline.render_markdown(offline_result({"vllm": peers["vllm"]}, [vllm_row]))
     assert "Mixed workload" not in only_vllm and "transformers" not in only_vllm
+    bf16_peer = offline_result({"vllm": peers["vllm"]}, [vllm_row]) | {"peer_dtype": "bfloat16"}
+    assert "(cpu, engine float32, vLLM bfloat16, 2 threads)" in bench_offline.render_markdown(
+        bf16_peer
+    )
 
 
 def test_peer_messages_parse_or_fail_with_the_peer_s_words():
