@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_kernel_loader
 from kernels.cpu_bf16_matmul import Bf16MatmulWeight
+from tests.cpu_kernel_builds import assert_float32_sums
 from worker.cpu_linear import pack_linears
 from worker.layers import ColumnParallelLinear, ParallelLMHead
 
@@ -27,15 +28,6 @@ pytestmark = pytest.mark.skipif(
 
 def bf16_randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
-
-
-def assert_float32_sums(out, x, weight, bias=None) -> None:
-    expected = x.double() @ weight.double().T
-    bound = (x.double().abs() @ weight.double().abs().T) * 1e-6 + 1e-6
-    if bias is not None:
-        expected = expected + bias.double()
-    assert out.dtype == torch.float32 and out.shape == expected.shape
-    assert bool(((out.double() - expected).abs() <= bound).all())
 
 
 # Rows 1..13 cover every row tail of the 6-row tiles; 70 and 200 columns end inside a tile.

@@ -10,36 +10,24 @@ here with `-mno-avx512f` and tested instead; a CPU without AVX2/FMA has no kerne
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernel_loader
 from kernels.cpu_f32_matmul import F32MatmulWeight
-from worker.cpu_features import host_cpu_flags
+from tests.cpu_kernel_builds import assert_float32_sums, avx2_kernel_library
 from worker.cpu_linear import pack_linears
 from worker.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    """A kernel library that holds the float32 matmul: the default build, or the AVX2 build
-    on a CPU with AVX-512."""
-    default = cpu_kernel_loader.load()
-    if default is None:
-        pytest.skip("no C compiler: the CPU kernels are not built")
-    if default.f32_matmul_panel_columns() > 0:
-        return default
-    if not {"avx2", "fma"} <= host_cpu_flags():
-        pytest.skip("this CPU has no AVX2/FMA, which the float32 matmul kernel needs")
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    cache = tmp_path_factory.mktemp("avx2-kernels")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(cpu_kernel_loader.CACHE_ENV, str(cache))
-        built = cpu_kernel_loader.build(compiler, ("-mno-avx512f",))
-    return cpu_kernel_loader.open_library(built)
+    return avx2_kernel_library(
+        lambda lib: lib.f32_matmul_panel_columns() > 0,
+        "the float32 matmul kernel",
+        tmp_path_factory,
+    )
 
 
 @pytest.fixture
@@ -52,15 +40,6 @@ def kernel(library, monkeypatch):
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def assert_float32_sums(out, x, weight, bias=None) -> None:
-    expected = x.double() @ weight.double().T
-    bound = (x.double().abs() @ weight.double().abs().T) * 1e-6 + 1e-6
-    if bias is not None:
-        expected = expected + bias.double()
-    assert out.dtype == torch.float32 and out.shape == expected.shape
-    assert bool(((out.double() - expected).abs() <= bound).all())
 
 
 def with_threads(num_threads: int, function):

@@ -10,35 +10,23 @@ here with `-mno-avx512f` and tested instead; a CPU without AVX2/FMA has no kerne
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from kernels import cpu_backend, cpu_kernel_loader
+from tests.cpu_kernel_builds import avx2_kernel_library
 from tests.paged_attention_cases import drop_keys_before_window, make_case, naive_attention
-from worker.cpu_features import host_cpu_flags
 
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    """A kernel library that holds the prefill kernel: the default build, or the AVX2 build on
-    a CPU with AVX-512."""
-    default = cpu_kernel_loader.load()
-    if default is None:
-        pytest.skip("no C compiler: the CPU kernels are not built")
-    if default.prefill_attention_tile_tokens(3, 64) > 0:
-        return default
-    if not {"avx2", "fma"} <= host_cpu_flags():
-        pytest.skip("this CPU has no AVX2/FMA, which the prefill kernel needs")
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    cache = tmp_path_factory.mktemp("avx2-kernels")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(cpu_kernel_loader.CACHE_ENV, str(cache))
-        built = cpu_kernel_loader.build(compiler, ("-mno-avx512f",))
-    return cpu_kernel_loader.open_library(built)
+    return avx2_kernel_library(
+        lambda lib: lib.prefill_attention_tile_tokens(3, 64) > 0,
+        "the prefill kernel",
+        tmp_path_factory,
+    )
 
 
 @pytest.fixture
