@@ -52,7 +52,6 @@ typedef struct {
     int32_t num_q_heads;
     int32_t num_kv_heads;
     int32_t head_dim;
-    int32_t tile_tokens;  // query tokens per item
     float scale;
     int32_t sliding_window;  // > 0: position p sees keys p - window + 1 .. p
 } Problem;
@@ -318,7 +317,7 @@ int prefill_attention(const float* query, const float* kv_cache, const int32_t* 
     const Problem problem = {
         query, kv_cache, kv_cache + num_cache_blocks * block_size * num_kv_heads * head_dim,
         block_table, seq_lens, query_start, out, block_table_stride, block_size, num_q_heads,
-        num_kv_heads, head_dim, tile_tokens, scale, sliding_window,
+        num_kv_heads, head_dim, scale, sliding_window,
     };
     int64_t num_items = 0;
     for (int32_t i = 0; i < num_requests; ++i) {
