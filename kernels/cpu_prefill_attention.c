@@ -89,9 +89,12 @@ static inline const float* cached_row(const Problem* p, const float* cache, cons
 
 // out[r][c] = sum_k a[r][k] * b[k][c] for `num_rows` (a compile-time constant once inlined)
 // rows and one tile of 16 columns of b, then stored into (or added to, when `accumulate`) out.
-static inline void tile(const float* a, int64_t a_stride, const float* b, int64_t b_stride,
-                        int32_t k, float* out, int64_t out_stride, int accumulate,
-                        const int num_rows) {
+// Always inlined: left to itself GCC makes one out-of-line copy per `accumulate` with
+// `num_rows` a run-time value, testing it five times per k in the inner loop.
+static inline __attribute__((always_inline)) void tile(const float* a, int64_t a_stride,
+                                                       const float* b, int64_t b_stride,
+                                                       int32_t k, float* out, int64_t out_stride,
+                                                       int accumulate, const int num_rows) {
     __m256 lo[TILE_ROWS], hi[TILE_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < num_rows; ++r) {
