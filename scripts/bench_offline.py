@@ -504,6 +504,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.peer_dtype is not None and "llama-server" in args.peers:
+        parser.error(
+            f"--peer-dtype {args.peer_dtype} does not apply to llama-server, which runs the "
+            "GGUF's own weight types: measure it in a run without --peer-dtype"
+        )
     if "vllm" in args.peers:
         from scripts.vllm_peer import default_peer_python, vllm_version
 

@@ -245,6 +245,13 @@ def test_a_missing_llama_server_is_a_clear_error(monkeypatch, tmp_path, capsys):
     assert "llama-server is not on PATH" in capsys.readouterr().err
 
 
+def test_a_peer_dtype_for_llama_server_is_a_clear_error(capsys):
+    """llama-server runs the GGUF's own weight types: a peer dtype would be a false label."""
+    with pytest.raises(SystemExit):
+        bench_offline.parse_args(["--peer", "llama-server", "--peer-dtype", "bfloat16"])
+    assert "--peer-dtype bfloat16 does not apply to llama-server" in capsys.readouterr().err
+
+
 def test_results_file_names_keep_the_transformers_table_apart():
     assert results_file_name("cpu", ["transformers"]) == "offline"
     assert results_file_name("cpu", ["vllm"]) == "offline_vllm"
