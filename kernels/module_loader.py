@@ -59,6 +59,10 @@ class ModuleLoader:
     def num_compiled(self) -> int:
         return len(self._kernels)
 
+    def compiled_names(self) -> set[str]:
+        """The name expressions compiled so far (on any device): which kernels have run."""
+        return {name for (_, name, _) in self._kernels}
+
     def get_kernel(
         self, source_name: str, name_expression: str, device_index: int, shared_mem_bytes: int = 0
     ) -> Any:
