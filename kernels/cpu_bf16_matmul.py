@@ -3,9 +3,9 @@
 The output is rounded once to bf16 (a bf16 model's linears: the numbers oneDNN's bf16 linear
 gives, up to summation order, faster at decode batch sizes) or kept in
 float32 (the LM head: the float32 logits of the bf16 operands, at bf16 speed).
-`Bf16MatmulWeight.pack(w)` is None where the kernel cannot run (no C kernels, no
-AVX512_BF16, a weight that is not a bf16 CPU matrix with an even inner size); callers then
-keep their torch path.
+`Bf16MatmulWeight.pack(w)` is None where the kernel cannot run: `tile_columns()` is 0 (no C
+kernels, no AVX512_BF16) or the weight is not one it `can_take` (a bf16 CPU matrix with an
+even inner size); callers then keep their torch path.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ PAIR_LANES = 16  # output columns per 64-byte vector of packed pairs
 OUTPUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def tile_columns() -> int:
+    """The loaded kernel's tile width (64 output columns); 0 where it is not built."""
+    library = cpu_kernel_loader.load()
+    return library.bf16_matmul_tile_columns() if library is not None else 0
+
+
 @dataclass(slots=True, frozen=True)
 class Bf16MatmulWeight:
     """A [num_columns, k] bf16 weight packed for the kernel: rows padded to `padded_columns`
@@ -32,19 +38,22 @@ class Bf16MatmulWeight:
     k: int
 
     @staticmethod
+    def can_take(weight: torch.Tensor) -> bool:
+        """Whether the kernel, where it is built, multiplies by this weight."""
+        return (
+            weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and weight.dim() == 2
+            and weight.shape[1] % 2 == 0
+        )
+
+    @staticmethod
     def pack(weight: torch.Tensor) -> Bf16MatmulWeight | None:
-        library = cpu_kernel_loader.load()
-        tile_columns = library.bf16_matmul_tile_columns() if library is not None else 0
-        if (
-            tile_columns == 0
-            or weight.dtype != torch.bfloat16
-            or weight.device.type != "cpu"
-            or weight.dim() != 2
-            or weight.shape[1] % 2
-        ):
+        columns = tile_columns()
+        if columns == 0 or not Bf16MatmulWeight.can_take(weight):
             return None
         num_columns, k = weight.shape
-        padded = round_up(num_columns, tile_columns)
+        padded = round_up(num_columns, columns)
         rows = torch.zeros(padded, k, dtype=torch.bfloat16)
         rows[:num_columns] = weight.detach()
         packed = rows.view(padded // PAIR_LANES, PAIR_LANES, k // 2, 2).transpose(1, 2)

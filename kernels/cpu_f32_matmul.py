@@ -3,9 +3,9 @@
 The CPU worker's float32 linears and LM head run on it where it is built: faster than oneDNN
 at every batch size on an AVX2 CPU (benchmarks/results/avx2/linears.md), and without
 oneDNN's per-shape set-up, which the engine's ever-changing batch sizes pay again and again.
-`F32MatmulWeight.pack(w)` is None where the kernel cannot run (no C kernels, a CPU with
-AVX-512 or without AVX2/FMA, a weight that is not a float32 CPU matrix); callers then keep
-oneDNN.
+`F32MatmulWeight.pack(w)` is None where the kernel cannot run: `panel_columns()` is 0 (no C
+kernels, a CPU with AVX-512 or without AVX2/FMA) or the weight is not one it `can_take` (a
+float32 CPU matrix); callers then keep oneDNN.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ from kernels import cpu_kernel_loader
 ALIGNMENT_BYTES = 64  # the kernel's aligned loads need 32; torch's CPU allocator gives 64
 
 
+def panel_columns() -> int:
+    """The loaded kernel's panel width (16 output columns); 0 where it is not built."""
+    library = cpu_kernel_loader.load()
+    return library.f32_matmul_panel_columns() if library is not None else 0
+
+
 @dataclass(slots=True, frozen=True)
 class F32MatmulWeight:
     """A [num_columns, k] float32 weight packed for the kernel: rows padded to a multiple of
@@ -31,21 +37,20 @@ class F32MatmulWeight:
     k: int
 
     @staticmethod
+    def can_take(weight: torch.Tensor) -> bool:
+        """Whether the kernel, where it is built, multiplies by this weight."""
+        return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+
+    @staticmethod
     def pack(weight: torch.Tensor) -> F32MatmulWeight | None:
-        library = cpu_kernel_loader.load()
-        panel_columns = library.f32_matmul_panel_columns() if library is not None else 0
-        if (
-            panel_columns == 0
-            or weight.dtype != torch.float32
-            or weight.device.type != "cpu"
-            or weight.dim() != 2
-        ):
+        columns = panel_columns()
+        if columns == 0 or not F32MatmulWeight.can_take(weight):
             return None
         num_columns, k = weight.shape
-        padded = round_up(num_columns, panel_columns)
+        padded = round_up(num_columns, columns)
         rows = torch.zeros(padded, k, dtype=torch.float32)
         rows[:num_columns] = weight.detach()
-        packed = rows.view(padded // panel_columns, panel_columns, k).transpose(1, 2).contiguous()
+        packed = rows.view(padded // columns, columns, k).transpose(1, 2).contiguous()
         if packed.data_ptr() % ALIGNMENT_BYTES:
             raise RuntimeError(f"packed weight at {packed.data_ptr():#x} is not 64-byte aligned")
         return F32MatmulWeight(packed, num_columns, k)

@@ -12,30 +12,88 @@ go to the project's own kernels instead, where they are built: a bf16 weight on 
 AVX512_BF16 (`kernels.cpu_bf16_matmul`: faster than oneDNN at decode batch sizes, and able to
 output float32, which the LM head needs), and a float32 weight on an AVX2 CPU without AVX-512
 (`kernels.cpu_f32_matmul`: faster than oneDNN at every batch size there).
+
+`choose_kernel` makes that choice from a `CpuLinearCapabilities`, all it asks of the machine:
+the same code on every CPU, tested with the capabilities of each kind.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from kernels import cpu_bf16_matmul, cpu_f32_matmul
 from kernels.cpu_bf16_matmul import Bf16MatmulWeight
 from kernels.cpu_f32_matmul import F32MatmulWeight
 
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+class LinearKernel(enum.Enum):
+    """What a CPU linear's matmul runs on."""
+
+    BF16_MATMUL = "kernels/cpu_bf16_matmul.c"
+    F32_MATMUL = "kernels/cpu_f32_matmul.c"
+    ONEDNN = "oneDNN on the blocked weight"
+    DENSE = "F.linear on the dense weight (not packed)"
+
+
+@dataclass(slots=True, frozen=True)
+class CpuLinearCapabilities:
+    """What this machine runs a linear on: the project's matmul kernels its kernel build
+    holds, and the weight dtypes oneDNN computes in. `read` gets them; tests build them for
+    each kind of CPU."""
+
+    has_bf16_matmul: bool  # cpu_bf16_matmul.c is built (AVX512_BF16)
+    has_f32_matmul: bool  # cpu_f32_matmul.c is built (AVX2 + FMA without AVX-512)
+    onednn_dtypes: frozenset[torch.dtype]
+
+    @staticmethod
+    def read() -> CpuLinearCapabilities:
+        """This machine's, as the kernel loader is set now (none with --enforce-eager)."""
+        return CpuLinearCapabilities(
+            has_bf16_matmul=cpu_bf16_matmul.tile_columns() > 0,
+            has_f32_matmul=cpu_f32_matmul.panel_columns() > 0,
+            onednn_dtypes=onednn_dtypes(),
+        )
+
+
+def onednn_dtypes() -> frozenset[torch.dtype]:
+    """The weight dtypes oneDNN runs linears in on this CPU: float32 wherever torch has
+    oneDNN, bfloat16 and float16 where oneDNN says the CPU runs them (AVX-512 or AMX)."""
+    if not torch.backends.mkldnn.is_available():
+        return frozenset()
+    dtypes = {torch.float32}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtypes.add(torch.bfloat16)
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        dtypes.add(torch.float16)
+    return frozenset(dtypes)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether oneDNN runs a linear with this weight's dtype on this CPU."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.float32:
-        return True
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if weight.dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return False
+    return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in onednn_dtypes()
+
+
+def choose_kernel(
+    weight: torch.Tensor, packed_dtype: torch.dtype | None, capabilities: CpuLinearCapabilities
+) -> LinearKernel:
+    """What a linear with this [out, in] weight runs on once packed: the bf16 kernel for a
+    weight it takes (it outputs float32 too, so `packed_dtype` does not matter to it); else,
+    for the weight in `packed_dtype` (None: its own dtype), the float32 kernel, oneDNN, or
+    nothing (DENSE)."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return LinearKernel.DENSE
+    if capabilities.has_bf16_matmul and Bf16MatmulWeight.can_take(weight):
+        return LinearKernel.BF16_MATMUL
+    dtype = packed_dtype or weight.dtype
+    if capabilities.has_f32_matmul and dtype == torch.float32:
+        return LinearKernel.F32_MATMUL
+    if dtype in capabilities.onednn_dtypes:
+        return LinearKernel.ONEDNN
+    return LinearKernel.DENSE
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -79,22 +137,30 @@ class PackableLinear(nn.Module):
             return packed_linear(x, self.packed_weight, bias)
         return torch.nn.functional.linear(x, self.weight, bias)
 
-    def pack(self, keep_dense_weight: bool) -> bool:
-        """Packs the weight for one of the project's kernels or oneDNN if this CPU runs its
-        dtype; returns whether it did. `keep_dense_weight`: another module reads the same
-        tensor (tied embeddings)."""
+    def pack(
+        self, keep_dense_weight: bool, capabilities: CpuLinearCapabilities | None = None
+    ) -> bool:
+        """Packs the weight for what `choose_kernel` picks with this machine's `capabilities`
+        (None: read them); returns whether it packed. `keep_dense_weight`: another module
+        reads the same tensor (tied embeddings). Raises RuntimeError where the capabilities
+        name a kernel that is not built."""
         if self.is_packed:
             return False
+        capabilities = capabilities or CpuLinearCapabilities.read()
+        kernel = choose_kernel(self.weight, self.packed_dtype, capabilities)
+        if kernel is LinearKernel.DENSE:
+            return False
         weight = self.weight
-        self.kernel_weight = Bf16MatmulWeight.pack(weight)
-        if self.kernel_weight is None:
-            if self.packed_dtype is not None:
-                weight = weight.to(self.packed_dtype)
+        if kernel is not LinearKernel.BF16_MATMUL and self.packed_dtype is not None:
+            weight = weight.to(self.packed_dtype)
+        if kernel is LinearKernel.BF16_MATMUL:
+            self.kernel_weight = Bf16MatmulWeight.pack(weight)
+        elif kernel is LinearKernel.F32_MATMUL:
             self.kernel_weight = F32MatmulWeight.pack(weight)
-        if self.kernel_weight is None:
-            if not can_pack(weight):
-                return False
+        else:
             self.packed_weight = pack_weight(weight)
+        if not self.is_packed:
+            raise RuntimeError(f"{kernel.value} was chosen for a linear but is not built")
         if not keep_dense_weight:
             self.weight = None
         return True
@@ -108,12 +174,12 @@ def pack_linears(model: nn.Module) -> int:
     """
     if not isinstance(model, nn.Module):
         return 0
+    linears = [m for m in model.modules() if isinstance(m, PackableLinear) and m.weight is not None]
+    if not linears:
+        return 0
+    capabilities = CpuLinearCapabilities.read()
     shared = _shared_weight_ids(model)
-    packed = 0
-    for module in model.modules():
-        if isinstance(module, PackableLinear) and module.weight is not None:
-            packed += module.pack(keep_dense_weight=id(module.weight) in shared)
-    return packed
+    return sum(module.pack(id(module.weight) in shared, capabilities) for module in linears)
 
 
 def _shared_weight_ids(model: nn.Module) -> set[int]:
