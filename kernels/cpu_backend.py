@@ -10,7 +10,13 @@ tiles, again straight from the paged cache); elsewhere they are matmul-bound and
 SDPA's fused kernel. The decode kernel reads float32 or bfloat16 caches (queries and sums in
 float32), and its head size must be a multiple of its vector width; other caches run wholly on
 the torch reference. Every path takes a sliding window (the kernels give keys before it
-weight 0; SDPA masks them)."""
+weight 0; SDPA masks them).
+
+Which path takes a request is decided by pure functions of the tensors' dtypes and layout, the
+step's metadata and a `CpuAttentionCapabilities`: what the loaded build does for one attention
+shape, read from the library once per shape. Only the kernels themselves need the
+instructions; the routing is the same code on every CPU, and its tests build the capabilities
+of each kind of CPU."""
 
 from __future__ import annotations
 
@@ -89,6 +95,41 @@ def is_available() -> bool:
 
 
 @dataclass(slots=True, frozen=True)
+class CpuAttentionCapabilities:
+    """What the kernel build does for one attention shape (query heads, KV heads, head size,
+    block size): all that routing asks of the machine. `attention_capabilities` reads it from
+    the library; tests build one per kind of CPU."""
+
+    vector_floats: int  # the decode kernel's vector width: 16 (AVX-512), 8 (AVX2), 1 (plain C)
+    bf16_fast_path: bool  # a bf16 model's attention takes the bf16 fast path (AVX512_BF16)
+    prefill_tile_tokens: int  # the prefill kernel's query tokens per item; 0: no prefill kernel
+
+
+@functools.cache
+def attention_capabilities(
+    library: ctypes.CDLL, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> CpuAttentionCapabilities:
+    """What `library` does for this shape, asked once per library and shape instead of at
+    every layer."""
+    group = num_q_heads // num_kv_heads if num_q_heads % num_kv_heads == 0 else 0
+    return CpuAttentionCapabilities(
+        vector_floats=library.paged_attention_vector_floats(),
+        bf16_fast_path=bool(library.paged_attention_bf16_fast_path(head_dim, block_size)),
+        prefill_tile_tokens=library.prefill_attention_tile_tokens(group, head_dim),
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class _Routing:
+    """Which path attends a request: the decode kernel (in tiles) up to `query_limit` query
+    tokens; a longer one the prefill kernel where `takes_prefill`, else SDPA; with
+    `takes_prefill`, also a shorter one that `_suits_prefill_kernel`."""
+
+    query_limit: int
+    takes_prefill: bool
+
+
+@dataclass(slots=True, frozen=True)
 class _CpuPlan:
     """One step's split (short requests for the kernel, long ones for the prefill kernel or
     SDPA) and the int32 contiguous metadata the kernels read, built once for all layers."""
@@ -113,18 +154,22 @@ def paged_attention(
     """Varlen attention of query [T, H_q, D] over the paged cache, bottom-right causal (and
     within `sliding_window`, when given: see `torch_reference.paged_attention`)."""
     library = cpu_kernel_loader.load()
-    if library is None or not _kernel_supports(library, kv_cache):
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    capabilities = None
+    if library is not None:
+        capabilities = attention_capabilities(
+            library, query.shape[1], num_kv_heads, head_dim, block_size
+        )
+    if capabilities is None or not _kernel_supports(capabilities, kv_cache):
         return torch_reference.paged_attention(
             query, kv_cache, metadata, scale, out, sliding_window=sliding_window
         )
     dtype = query.dtype
     result = torch.empty(query.shape, dtype=torch.float32)
     query = query.float().contiguous()
-    takes_prefill = _prefill_kernel_takes(library, query.shape[1], kv_cache)
-    limit = _query_limit(library, dtype, kv_cache)
+    routing = _routing(capabilities, dtype, kv_cache.dtype)
     plan = metadata.cached(
-        ("cpu", kv_cache.shape[2], limit, takes_prefill),
-        lambda: _build_plan(metadata, kv_cache, limit, takes_prefill),
+        ("cpu", block_size, routing), lambda: _build_plan(metadata, block_size, routing)
     )
     for request in plan.long_requests:
         torch_reference.prefill_attention(query, kv_cache, scale, result, request, sliding_window)
@@ -139,7 +184,7 @@ def paged_attention(
     return out.copy_(result)
 
 
-def _kernel_supports(library: ctypes.CDLL, kv_cache: torch.Tensor) -> bool:
+def _kernel_supports(capabilities: CpuAttentionCapabilities, kv_cache: torch.Tensor) -> bool:
     """Contiguous float32 or bfloat16 CPU caches whose head size is a multiple of the
     kernel's vector width (16 floats with AVX-512)."""
     head_dim = kv_cache.shape[4]
@@ -147,55 +192,29 @@ def _kernel_supports(library: ctypes.CDLL, kv_cache: torch.Tensor) -> bool:
         kv_cache.dtype in (torch.float32, torch.bfloat16)
         and kv_cache.device.type == "cpu"
         and kv_cache.is_contiguous()
-        and head_dim % _vector_floats(library) == 0
+        and head_dim % capabilities.vector_floats == 0
     )
 
 
-@functools.cache
-def _vector_floats(library: ctypes.CDLL) -> int:
-    """The kernel's vector width in floats, asked once per library instead of at every layer."""
-    return library.paged_attention_vector_floats()
-
-
-@functools.cache
-def _bf16_fast_path(library: ctypes.CDLL, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel takes its bf16 fast path for a bf16 model of these shapes (the kernel
-    decides; asked once per shape)."""
-    return bool(library.paged_attention_bf16_fast_path(head_dim, block_size))
-
-
-@functools.cache
-def _prefill_tile_tokens(library: ctypes.CDLL, group: int, head_dim: int) -> int:
-    """Query tokens per work item of the prefill kernel; 0 where it does not run (asked once
-    per shape)."""
-    return library.prefill_attention_tile_tokens(group, head_dim)
-
-
-def _prefill_kernel_takes(library: ctypes.CDLL, num_q_heads: int, kv_cache: torch.Tensor) -> bool:
-    """Whether long queries over this cache go to cpu_prefill_attention.c: a float32 cache,
-    a build that holds it (AVX2 without AVX-512) and a head size it takes."""
-    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    return (
-        kv_cache.dtype == torch.float32
-        and num_q_heads % num_kv_heads == 0
-        and _prefill_tile_tokens(library, num_q_heads // num_kv_heads, head_dim) > 0
-    )
+def _routing(
+    capabilities: CpuAttentionCapabilities, query_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> _Routing:
+    """The decode kernel's longest query (longer ones go to the prefill kernel or SDPA; see
+    the limits above) and whether the prefill kernel runs: a float32 cache and a build and
+    shape it takes (AVX2 without AVX-512)."""
+    if query_dtype == cache_dtype == torch.bfloat16 and capabilities.bf16_fast_path:
+        query_limit = FAST_BF16_QUERY_MAX_TOKENS
+    elif capabilities.vector_floats == 8 and cache_dtype == torch.float32:
+        query_limit = AVX2_FLOAT32_QUERY_MAX_TOKENS
+    else:
+        query_limit = SHORT_QUERY_MAX_TOKENS
+    takes_prefill = cache_dtype == torch.float32 and capabilities.prefill_tile_tokens > 0
+    return _Routing(query_limit, takes_prefill)
 
 
 def _suits_prefill_kernel(q_len: int, seq_len: int) -> bool:
     """Whether a query the decode kernel could take is faster on the prefill kernel."""
     return q_len > SHORT_QUERY_MAX_TOKENS and q_len * seq_len >= PREFILL_KERNEL_MIN_PAIRS
-
-
-def _query_limit(library: ctypes.CDLL, query_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
-    """The longest query the kernel takes (longer ones go to SDPA); see the limits above."""
-    if query_dtype == kv_cache.dtype == torch.bfloat16 and _bf16_fast_path(
-        library, kv_cache.shape[4], kv_cache.shape[2]
-    ):
-        return FAST_BF16_QUERY_MAX_TOKENS
-    if _vector_floats(library) == 8 and kv_cache.dtype == torch.float32:
-        return AVX2_FLOAT32_QUERY_MAX_TOKENS
-    return SHORT_QUERY_MAX_TOKENS
 
 
 def _run_kernel(
@@ -274,17 +293,14 @@ def _run_prefill_kernel(
         raise MemoryError("CPU prefill attention could not allocate its panels")
 
 
-def _build_plan(
-    metadata: AttentionMetadata, kv_cache: torch.Tensor, query_limit: int, takes_prefill: bool
-) -> _CpuPlan:
+def _build_plan(metadata: AttentionMetadata, block_size: int, routing: _Routing) -> _CpuPlan:
     """The kernel sees work items, not requests: a request of more than QUERY_TILE_TOKENS
     query tokens becomes one item per tile of them (its seq_len cut at the tile's last token,
     so causality is unchanged), which bounds each thread's score rows to a tile's and spreads
     one long prompt over every thread. Items cover the step's tokens in order, so one
-    query_start array serves them all. A request above `query_limit` gets one item that the
-    prefill kernel runs (`takes_prefill`) or that no kernel runs (SDPA takes it); with
-    `takes_prefill`, so does a shorter one that `_suits_prefill_kernel`."""
-    block_size = kv_cache.shape[2]
+    query_start array serves them all. A request `routing` does not give the decode kernel
+    gets one item that the prefill kernel runs or that no kernel runs (SDPA takes it)."""
+    query_limit, takes_prefill = routing.query_limit, routing.takes_prefill
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     item_rows, item_starts, item_seq_lens, kernel_items, prefill_items = [], [], [], [], []

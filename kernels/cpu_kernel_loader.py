@@ -112,11 +112,13 @@ def open_library(path: Path) -> ctypes.CDLL:
     return library
 
 
-def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+def build(compiler: str, extra_flags: tuple[str, ...] = (), directory: Path | None = None) -> Path:
     """The cached library for these sources, compiler, flags and CPU; compiled if missing.
 
     `extra_flags` go after COMPILE_FLAGS (tests build the AVX2 and plain-C paths with
-    `-mno-avx512f` and `-mno-avx2 -mno-fma`). Raises OSError when the compiler fails.
+    `-mno-avx512f` and `-mno-avx2 -mno-fma`, and every kind of CPU's build with a `-march` of
+    its own). The cache is `directory`, else `cache_dir()`. Raises OSError when the compiler
+    fails.
     """
     command = [compiler, *COMPILE_FLAGS, *extra_flags]
     key = hashlib.sha256()
@@ -124,7 +126,7 @@ def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
         key.update(path.read_bytes())
     for part in (" ".join(command).encode(), _compiler_version(compiler), _cpu_identity()):
         key.update(part)
-    target = cache_dir() / f"{LIBRARY_NAME}-{key.hexdigest()[:16]}.so"
+    target = (directory or cache_dir()) / f"{LIBRARY_NAME}-{key.hexdigest()[:16]}.so"
     if not target.is_file():
         compile_shared_library(command, SOURCES, target, libraries=("-lm",))
     return target

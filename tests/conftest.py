@@ -20,3 +20,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# CPU kernel tests (marked by `tests.cpu_kernel_builds.requires_cpu_flags`): they skip on a CPU
+# without the flags they name, and the run ends with the list of those this host skipped, so a
+# green run on one CPU says which kernels it did not test.
+CPU_KERNEL_MARKER = "cpu_kernel"
+
+
+def pytest_itemcollected(item):
+    marker = item.get_closest_marker(CPU_KERNEL_MARKER)
+    if marker is None:
+        return
+    from tests.cpu_kernel_builds import missing_flags_reason
+    from worker.cpu_features import host_cpu_flags
+
+    reason = missing_flags_reason(marker.args, marker.kwargs["kernel"], host_cpu_flags())
+    if reason is not None:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    def marked(category: str) -> list:
+        reports = terminalreporter.stats.get(category, [])
+        return [r for r in reports if getattr(r, "keywords", {}).get(CPU_KERNEL_MARKER)]
+
+    skipped = [(r.nodeid, _skip_reason(r)) for r in marked("skipped")]
+    num_ran = sum(len(marked(category)) for category in ("passed", "failed", "xfailed"))
+    if not skipped and not num_ran:
+        return
+    from tests.cpu_kernel_builds import skipped_kernel_tests_summary
+    from worker.cpu_features import host_cpu_flags
+
+    heading, lines = skipped_kernel_tests_summary(skipped, num_ran, host_cpu_flags())
+    terminalreporter.write_sep("=", heading)
+    for line in lines:
+        terminalreporter.write_line(line)
+
+
+def _skip_reason(report) -> str:
+    """The reason of a skipped test's report (its longrepr is (path, line, "Skipped: ..."))."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")

@@ -2,7 +2,9 @@
 
 Same cases as the torch reference's tests (lengths around block edges, mixed batches, GQA
 groups, head sizes, block sizes, NaN-poisoned unused slots), plus what is the backend's own:
-the split between the kernel and SDPA, OpenMP threads, the build cache and the fallbacks.
+each kind of CPU's build of the kernel, OpenMP threads, the build cache and the fallbacks.
+Which request goes to which path is tested for every build on any host in
+test_cpu_attention_routing.py; here the kernels run, each where this CPU can run it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from kernels import cpu_backend, cpu_kernel_loader, select_backend, torch_reference
+from tests.cpu_kernel_builds import AVX512_BF16, KERNEL_BUILDS, kernel_library, requires_cpu_flags
 from tests.paged_attention_cases import make_case, naive_attention
 from worker.cpu_features import host_cpu_flags
 
@@ -36,6 +39,22 @@ def assert_matches_naive(case, out: torch.Tensor, atol: float = ATOL_FP32) -> No
     real = out[: case.num_real_tokens]
     assert not torch.isnan(real).any(), "NaN leaked from unused cache slots"
     torch.testing.assert_close(real.double(), naive_attention(case), atol=atol, rtol=0)
+
+
+def capabilities_of(case, library=None) -> cpu_backend.CpuAttentionCapabilities:
+    """What the library (default: the loaded one) does for this case's attention shape."""
+    library = library or cpu_kernel_loader.load()
+    _, _, block_size, num_kv_heads, head_dim = case.kv_cache.shape
+    return cpu_backend.attention_capabilities(
+        library, case.query.shape[1], num_kv_heads, head_dim, block_size
+    )
+
+
+def route_without_prefill_kernel(monkeypatch, query_limit: int) -> None:
+    """Routes as a build whose decode kernel takes queries up to `query_limit` tokens and
+    that has no prefill kernel (longer queries go to SDPA), whatever this CPU's build is."""
+    routing = cpu_backend._Routing(query_limit, takes_prefill=False)
+    monkeypatch.setattr(cpu_backend, "_routing", lambda *args: routing)
 
 
 @pytest.fixture
@@ -113,28 +132,6 @@ def test_long_context_decode_matches_naive():
     assert_matches_naive(case, run_backend(case))
 
 
-@pytest.mark.parametrize(
-    ("vector_floats", "fast_bf16", "dtype", "expected"),
-    [
-        (16, False, torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),  # AVX-512
-        (8, False, torch.float32, cpu_backend.AVX2_FLOAT32_QUERY_MAX_TOKENS),
-        (8, False, torch.bfloat16, cpu_backend.SHORT_QUERY_MAX_TOKENS),
-        (16, True, torch.bfloat16, cpu_backend.FAST_BF16_QUERY_MAX_TOKENS),
-        (16, True, torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),
-        (1, False, torch.float32, cpu_backend.SHORT_QUERY_MAX_TOKENS),  # plain C
-    ],
-)
-def test_query_limit_follows_the_kernel_build_and_cache_dtype(
-    monkeypatch, vector_floats, fast_bf16, dtype, expected
-):
-    """The build's vector width, whether it takes the bf16 fast path for these shapes, and the
-    cache dtype pick the limit."""
-    monkeypatch.setattr(cpu_backend, "_vector_floats", lambda library: vector_floats)
-    monkeypatch.setattr(cpu_backend, "_bf16_fast_path", lambda library, dim, block: fast_bf16)
-    kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=dtype)
-    assert cpu_backend._query_limit(None, dtype, kv_cache) == expected
-
-
 def test_bf16_fast_path_shapes_are_the_kernels_own():
     library = cpu_kernel_loader.load()
     built = bool(library.paged_attention_bf16_fast_path(64, 16))
@@ -143,37 +140,17 @@ def test_bf16_fast_path_shapes_are_the_kernels_own():
     assert not library.paged_attention_bf16_fast_path(64, 8)  # block not a multiple of 16
 
 
-def test_short_queries_go_to_the_kernel_and_long_ones_to_sdpa(monkeypatch):
-    """Where the prefill kernel does not run (AVX-512 or plain C builds, bf16 caches)."""
-    monkeypatch.setattr(cpu_backend, "_query_limit", lambda *args: 16)
-    monkeypatch.setattr(cpu_backend, "_prefill_kernel_takes", lambda *args: False)
+def test_short_queries_on_the_kernel_and_long_ones_on_sdpa_match_naive(monkeypatch):
+    """As where the prefill kernel does not run (AVX-512 or plain C builds, bf16 caches)."""
+    route_without_prefill_kernel(monkeypatch, cpu_backend.SHORT_QUERY_MAX_TOKENS)
     case = make_case([10, 30, 40, 8], [1, 16, 17, 0], 4, 2, 64)
     assert_matches_naive(case, run_backend(case))
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 16, False)
-    assert plan.short_requests.tolist() == [0, 1]
-    assert plan.max_query_x_seq_len == 16 * 30
-    assert [(r.q_start, r.q_end, r.seq_len) for r in plan.long_requests] == [(17, 34, 40)]
-    assert plan.prefill_requests.tolist() == []
-
-
-def test_prefill_kernel_takes_long_queries_and_short_ones_over_enough_keys():
-    """With the prefill kernel: queries above 16 tokens over at least PREFILL_KERNEL_MIN_PAIRS
-    (token, key) pairs, and every query above the decode kernel's limit; never SDPA."""
-    case = make_case([10, 30, 200, 600, 130], [1, 30, 17, 600, 16], 4, 2, 64)
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 512, True)
-    assert plan.prefill_requests.tolist() == [2, 3]  # 17 x 200 pairs; 600 tokens > 512
-    assert plan.long_requests == []
-    # 30 x 30 pairs is too little work, 16 tokens a short query; one item per request here
-    assert plan.short_requests.tolist() == [0, 1, 4]
 
 
 def test_kernel_alone_handles_queries_beyond_the_short_limit(monkeypatch):
     """The kernel is exact for any query length; the limit is a speed choice only."""
-    monkeypatch.setattr(cpu_backend, "SHORT_QUERY_MAX_TOKENS", 10**6)
-    monkeypatch.setattr(cpu_backend, "_prefill_kernel_takes", lambda *args: False)
+    route_without_prefill_kernel(monkeypatch, 10**6)
     case = make_case([160, 33, 17], [150, 9, 17], 6, 2, 64, seed=3)  # 150: three tiles
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, 10**6, False)
-    assert plan.long_requests == []
     assert_matches_naive(case, run_backend(case))
 
 
@@ -205,14 +182,6 @@ def test_requests_with_no_query_tokens_are_skipped():
     assert_matches_naive(case, run_backend(case))
 
 
-def test_kernel_never_reads_a_non_contiguous_cache():
-    """It indexes raw memory, so a strided view must not reach it (nothing allocates one)."""
-    kv_cache = torch.zeros(2, 4, 16, 2, 128)[..., :64]
-    library = cpu_kernel_loader.load()
-    assert not cpu_backend._kernel_supports(library, kv_cache)
-    assert cpu_backend._kernel_supports(library, kv_cache.contiguous())
-
-
 # bf16 outputs of magnitude up to ~4 are rounded to steps of 2^-6; the sums inside are float32.
 ATOL_BF16 = 2e-2
 
@@ -226,8 +195,7 @@ ATOL_BF16 = 2e-2
 )
 def test_bfloat16_cache_runs_the_kernel_and_matches_naive(seq_lens, q_lens):
     case = make_case(seq_lens, q_lens, 8, 2, 64, dtype=torch.bfloat16, num_padding_tokens=2)
-    library = cpu_kernel_loader.load()
-    assert cpu_backend._kernel_supports(library, case.kv_cache)
+    assert cpu_backend._kernel_supports(capabilities_of(case), case.kv_cache)
     out = run_backend(case)
     assert out.dtype == torch.bfloat16
     assert_matches_naive(case, out, atol=ATOL_BF16)
@@ -262,23 +230,20 @@ def test_bfloat16_fast_path_shapes_match_naive(monkeypatch, block_size, head_dim
     assert_matches_naive(case, out, atol=ATOL_BF16)
 
 
-def test_bfloat16_fast_path_takes_every_query_in_tiles():
-    library = cpu_kernel_loader.load()
-    if not library.paged_attention_bf16_fast_path(64, 16):
-        pytest.skip("this CPU has no AVX512_BF16: the bf16 cache uses the general kernel")
+@requires_cpu_flags(*AVX512_BF16.cpu_flags, kernel="bf16 fast path of cpu_paged_attention.c")
+def test_bfloat16_fast_path_takes_every_query_in_tiles(monkeypatch, tmp_path_factory):
+    """Prompts of several tiles, a prompt of one, a decode and a request without query
+    tokens, all on the fast path (its plan: test_cpu_attention_routing.py)."""
+    library = kernel_library(AVX512_BF16, tmp_path_factory)
+    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
     tile = cpu_backend.QUERY_TILE_TOKENS
-    q_lens = [2 * tile + 5, tile, 1, 0]
-    case = make_case([700, 2 * tile, 30, 9], q_lens, 6, 2, 64, dtype=torch.bfloat16)
-    limit = cpu_backend._query_limit(library, torch.bfloat16, case.kv_cache)
-    assert limit >= 10**9
-    assert cpu_backend._query_limit(library, torch.float32, case.kv_cache) < tile
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, limit)
-    assert plan.long_requests == []
-    # request 0 in 3 tiles, 1 and 2 whole; request 3 has no query tokens: an item, not run
-    assert plan.short_requests.tolist() == [0, 1, 2, 3, 4]
-    assert plan.seq_lens.tolist() == [700 - tile - 5, 700 - 5, 700, 2 * tile, 30, 9]
-    assert plan.query_start.tolist() == [0, tile, 2 * tile, 2 * tile + 5, 3 * tile + 5,
-                                         3 * tile + 6, 3 * tile + 6]  # fmt: skip
+    case = make_case(
+        [700, 2 * tile, 30, 9], [2 * tile + 5, tile, 1, 0], 6, 2, 64, dtype=torch.bfloat16
+    )
+    capabilities = capabilities_of(case, library)
+    assert capabilities.bf16_fast_path
+    routing = cpu_backend._routing(capabilities, torch.bfloat16, torch.bfloat16)
+    assert routing == cpu_backend._Routing(cpu_backend.FAST_BF16_QUERY_MAX_TOKENS, False)
     assert_matches_naive(case, run_backend(case), atol=ATOL_BF16)
 
 
@@ -297,7 +262,7 @@ def test_float32_query_over_a_bfloat16_cache_is_not_rounded():
 
 def test_float16_cache_runs_the_reference():
     case = make_case([30, 9], [10, 1], 4, 1, 64, dtype=torch.float16)
-    assert not cpu_backend._kernel_supports(cpu_kernel_loader.load(), case.kv_cache)
+    assert not cpu_backend._kernel_supports(capabilities_of(case), case.kv_cache)
     out = run_backend(case)
     expected = torch_reference.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
     assert out.dtype == torch.float16
@@ -305,30 +270,33 @@ def test_float16_cache_runs_the_reference():
 
 
 @pytest.mark.parametrize(
-    ("extra_flags", "vector_floats"),
+    "build",
     [
-        pytest.param(("-mno-avx512f",), 8, id="avx2"),
-        pytest.param(("-mno-avx512f", "-mno-avx2", "-mno-fma"), 1, id="plain-c"),
+        pytest.param(
+            build,
+            id=build.name,
+            marks=requires_cpu_flags(
+                *build.cpu_flags, kernel=f"{build.name} build of cpu_paged_attention.c"
+            ),
+        )
+        for build in KERNEL_BUILDS
     ],
 )
-def test_narrower_vector_paths_match_naive(monkeypatch, tmp_path, extra_flags, vector_floats):
-    """The paths other CPUs compile: AVX2 (8 floats) and plain C (any head size), each built
-    here where the default build is wider (the default build itself is tested above)."""
-    if not cpu_backend.is_available():
-        pytest.skip("no CPU kernels on this machine")
-    default_width = cpu_kernel_loader.load().paged_attention_vector_floats()
-    if default_width <= vector_floats:
-        pytest.skip(f"the default build here is the {default_width}-float path, tested above")
-    monkeypatch.setenv(cpu_kernel_loader.CACHE_ENV, str(tmp_path))
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    library = cpu_kernel_loader.open_library(cpu_kernel_loader.build(compiler, extra_flags))
-    assert library.paged_attention_vector_floats() == vector_floats
+def test_every_build_matches_naive(monkeypatch, tmp_path_factory, build):
+    """Each kind of CPU's build that this CPU runs (the default one, or one compiled here
+    narrower than it): float32 and bf16 caches, head sizes that are and are not a multiple of
+    its vectors, decodes, short chunks and a prompt of two tiles, on whichever paths this
+    build routes them to."""
+    library = kernel_library(build, tmp_path_factory)
     monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
     for head_dim, dtype in itertools.product((24, 64, 320), (torch.float32, torch.bfloat16)):
-        case = make_case([1, 17, 70, 33], [1, 1, 5, 16], 6, 2, head_dim, dtype=dtype, seed=head_dim)
+        case = make_case(
+            [1, 17, 70, 33, 130], [1, 1, 5, 16, 100], 6, 2, head_dim, dtype=dtype, seed=head_dim
+        )
         out = run_backend(case)
-        uses_kernel = cpu_backend._kernel_supports(library, case.kv_cache)
-        assert uses_kernel == (head_dim % vector_floats == 0)
+        assert capabilities_of(case).vector_floats == build.attention.vector_floats
+        uses_kernel = cpu_backend._kernel_supports(capabilities_of(case), case.kv_cache)
+        assert uses_kernel == (head_dim % build.attention.vector_floats == 0)
         assert_matches_naive(case, out, atol=ATOL_FP32 if dtype == torch.float32 else ATOL_BF16)
 
 

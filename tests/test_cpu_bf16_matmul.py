@@ -15,15 +15,28 @@ import torch.nn.functional as F
 
 from kernels import cpu_kernel_loader
 from kernels.cpu_bf16_matmul import Bf16MatmulWeight
-from tests.cpu_kernel_builds import assert_float32_sums
+from tests.cpu_kernel_builds import (
+    AVX512_BF16,
+    assert_float32_sums,
+    kernel_library,
+    requires_cpu_flags,
+)
 from worker.cpu_linear import pack_linears
 from worker.layers import ColumnParallelLinear, ParallelLMHead
 
-library = cpu_kernel_loader.load()
-pytestmark = pytest.mark.skipif(
-    library is None or library.bf16_matmul_tile_columns() == 0,
-    reason="the bf16 matmul kernel needs a C compiler and a CPU with AVX512_BF16",
-)
+pytestmark = requires_cpu_flags(*AVX512_BF16.cpu_flags, kernel="cpu_bf16_matmul.c")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    return kernel_library(AVX512_BF16, tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def kernel(library, monkeypatch):
+    """Makes `cpu_kernel_loader.load` return the library under test."""
+    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
+    return library
 
 
 def bf16_randn(*shape: int, seed: int) -> torch.Tensor:
@@ -77,14 +90,6 @@ def test_what_the_kernel_cannot_take_is_refused():
         packed.matmul(torch.randn(2, 6))
     with pytest.raises(ValueError, match="float16"):
         packed.matmul(torch.randn(2, 8), out_dtype=torch.float16)
-
-
-def test_disabled_kernels_leave_the_weight_to_torch():
-    cpu_kernel_loader.set_enabled(False)
-    try:
-        assert Bf16MatmulWeight.pack(bf16_randn(64, 8, seed=0)) is None
-    finally:
-        cpu_kernel_loader.set_enabled(True)
 
 
 def test_bf16_linears_run_on_the_kernel_and_round_like_torch():

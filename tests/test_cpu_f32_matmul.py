@@ -5,7 +5,8 @@ The kernel sums float32 products in float32, one k after another per output: its
 against a float64 matmul of the same operands is float32 summation error, at most about
 k * 2^-24 of the sum of |products| (the bound below, with room to spare, is 1e-6 of it).
 On a CPU whose default build does not hold the kernel (AVX-512), the AVX2 build is compiled
-here with `-mno-avx512f` and tested instead; a CPU without AVX2/FMA has no kernel to test.
+here with `-mno-avx512f` and tested instead; on a CPU without AVX2/FMA the tests skip, listed
+at the end of the run as kernel tests this host skipped.
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ import torch.nn.functional as F
 
 from kernels import cpu_kernel_loader
 from kernels.cpu_f32_matmul import F32MatmulWeight
-from tests.cpu_kernel_builds import assert_float32_sums, avx2_kernel_library
+from tests.cpu_kernel_builds import AVX2, assert_float32_sums, kernel_library, requires_cpu_flags
 from worker.cpu_linear import pack_linears
 from worker.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+pytestmark = requires_cpu_flags(*AVX2.cpu_flags, kernel="cpu_f32_matmul.c")
 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    return avx2_kernel_library(
-        lambda lib: lib.f32_matmul_panel_columns() > 0,
-        "the float32 matmul kernel",
-        tmp_path_factory,
-    )
+    return kernel_library(AVX2, tmp_path_factory)
 
 
 @pytest.fixture
@@ -109,20 +108,6 @@ def test_what_the_kernel_cannot_take_is_refused(kernel):
         packed.matmul(randn(2, 6, seed=1))
     with pytest.raises(ValueError, match="bfloat16"):
         packed.matmul(randn(2, 8, seed=1), out_dtype=torch.bfloat16)
-
-
-def test_disabled_kernels_leave_the_weight_to_onednn():
-    """With the real loader: packed where the default build holds the kernel, never once the
-    kernels are turned off (--enforce-eager)."""
-    weight = randn(64, 8, seed=0)
-    library = cpu_kernel_loader.load()
-    built = library is not None and library.f32_matmul_panel_columns() > 0
-    assert (F32MatmulWeight.pack(weight) is not None) == built
-    cpu_kernel_loader.set_enabled(False)
-    try:
-        assert F32MatmulWeight.pack(weight) is None
-    finally:
-        cpu_kernel_loader.set_enabled(True)
 
 
 def test_float32_linears_and_lm_head_run_on_the_kernel(kernel):

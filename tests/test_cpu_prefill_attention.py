@@ -5,7 +5,8 @@ Same cases as the decode kernel's (tests/paged_attention_cases.py: blocks scatte
 slots NaN), with long queries: whole prompts, chunks over a context, several tiles per request,
 GQA groups, head sizes, block sizes, sliding windows with freed blocks, NaN in a visible key.
 On a CPU whose default build does not hold the kernel (AVX-512), the AVX2 build is compiled
-here with `-mno-avx512f` and tested instead; a CPU without AVX2/FMA has no kernel to test.
+here with `-mno-avx512f` and tested instead; on a CPU without AVX2/FMA the tests skip, listed
+at the end of the run as kernel tests this host skipped.
 """
 
 from __future__ import annotations
@@ -14,30 +15,32 @@ import pytest
 import torch
 
 from kernels import cpu_backend, cpu_kernel_loader
-from tests.cpu_kernel_builds import avx2_kernel_library
+from tests.cpu_kernel_builds import AVX2, kernel_library, requires_cpu_flags
 from tests.paged_attention_cases import drop_keys_before_window, make_case, naive_attention
 
+pytestmark = requires_cpu_flags(*AVX2.cpu_flags, kernel="cpu_prefill_attention.c")
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    return avx2_kernel_library(
-        lambda lib: lib.prefill_attention_tile_tokens(3, 64) > 0,
-        "the prefill kernel",
-        tmp_path_factory,
-    )
+    return kernel_library(AVX2, tmp_path_factory)
 
 
 @pytest.fixture
 def kernel(library, monkeypatch):
     """The CPU backend running on the library under test."""
     monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
-    cpu_backend._vector_floats.cache_clear()
-    cpu_backend._prefill_tile_tokens.cache_clear()
-    yield library
-    cpu_backend._vector_floats.cache_clear()
-    cpu_backend._prefill_tile_tokens.cache_clear()
+    return library
+
+
+def routing_of(case) -> cpu_backend._Routing:
+    """How the backend routes this case on the library under test."""
+    _, _, block_size, num_kv_heads, head_dim = case.kv_cache.shape
+    capabilities = cpu_backend.attention_capabilities(
+        cpu_kernel_loader.load(), case.query.shape[1], num_kv_heads, head_dim, block_size
+    )
+    return cpu_backend._routing(capabilities, case.query.dtype, case.kv_cache.dtype)
 
 
 def run(case, sliding_window=None) -> torch.Tensor:
@@ -55,10 +58,9 @@ def assert_matches_naive(case, out: torch.Tensor) -> None:
 
 def prefill_items(case) -> list[int]:
     """The items the backend gives the prefill kernel for this case."""
-    library = cpu_kernel_loader.load()
-    assert cpu_backend._prefill_kernel_takes(library, case.query.shape[1], case.kv_cache)
-    limit = cpu_backend._query_limit(library, case.query.dtype, case.kv_cache)
-    plan = cpu_backend._build_plan(case.metadata, case.kv_cache, limit, True)
+    routing = routing_of(case)
+    assert routing.takes_prefill
+    plan = cpu_backend._build_plan(case.metadata, case.kv_cache.shape[2], routing)
     assert plan.long_requests == []
     return plan.prefill_requests.tolist()
 
@@ -112,7 +114,7 @@ def test_head_sizes_it_cannot_take_go_elsewhere(kernel, head_dim):
     """Not a multiple of 16, or above 256: the backend keeps its other paths, still exact."""
     case = make_case([50], [50], 4, 2, head_dim, seed=head_dim)
     assert kernel.prefill_attention_tile_tokens(2, head_dim) == 0
-    assert not cpu_backend._prefill_kernel_takes(kernel, 4, case.kv_cache)
+    assert not routing_of(case).takes_prefill
     assert_matches_naive(case, run(case))
 
 
@@ -165,8 +167,3 @@ def test_threads_give_the_same_answer(kernel):
             torch.set_num_threads(previous)
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
     assert_matches_naive(case, outputs[0])
-
-
-def test_bf16_cache_keeps_its_own_paths(kernel):
-    case = make_case([64], [64], 4, 2, 64, dtype=torch.bfloat16)
-    assert not cpu_backend._prefill_kernel_takes(kernel, 4, case.kv_cache)
