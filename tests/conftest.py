@@ -63,3 +63,7 @@ def _skip_reason(report) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
     return reason.removeprefix("Skipped: ")
+
+
+# Tests of the hooks above run pytest in-process on a file of their own.
+pytest_plugins = ("pytester",)
