@@ -17,13 +17,14 @@ Needs only torch and CuPy on a CUDA machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -119,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     timer = Timer(device, args.repeats)
     name = torch.cuda.get_device_name(device)
-    copy_gbps = timer.copy_ceiling_gbps()
+    copy_variants = timer.copy_bandwidths_gbps()
+    copy_gbps = max(copy_variants.values())
     spec_gbps = spec_bandwidth_gbps(name)
-    print(f"{name}: copy ceiling {copy_gbps:.0f} GB/s, spec {spec_gbps or 'unknown'} GB/s")
+    print(f"{name}: copy ceiling {copy_gbps:.0f} GB/s ({copy_variants}), spec {spec_gbps} GB/s")
     decode = [
         bench_decode(shape, dtype, device, timer, copy_gbps, spec_gbps)
         for shape in (kit_decode_shapes() if args.kit else decode_shapes(args.quick))
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": name,
         "dtype": args.dtype,
         "copy_ceiling_gbps": copy_gbps,
+        "copy_bandwidths_gbps": copy_variants,
         "spec_bandwidth_gbps": spec_gbps,
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -141,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         "prefill": [asdict(r) for r in prefill],
         "targets": check_targets(decode, prefill),
     }
+    if args.kit:
+        report["decode_variants"] = [
+            asdict(v) for v in bench_decode_variants(dtype, device, timer, copy_gbps)
+        ]
     write_report(report, Path(args.out), "_kit" if args.kit else "_quick" if args.quick else "")
     return 0
 
@@ -230,8 +237,10 @@ class Timer:
         self.repeats = repeats
         self.flush_buffer = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
 
-    def median_us(self, fn: Callable[[], object]) -> float:
-        runner = self._capture(fn)
+    def median_us(self, fn: Callable[[], object], graph: bool = True) -> float:
+        """Median µs of `fn` over the repeats, each after an L2 flush; replayed from a CUDA
+        graph (eager where capture fails, or with `graph=False`)."""
+        runner = self._capture(fn) if graph else self._warm(fn)
         times = []
         for _ in range(self.repeats):
             self.flush_buffer.zero_()
@@ -244,12 +253,17 @@ class Timer:
             times.append(start.elapsed_time(end) * 1000.0)
         return statistics.median(times)
 
+    def _warm(self, fn: Callable[[], object]) -> Callable[[], object]:
+        for _ in range(2):
+            fn()  # compile kernels, settle the allocator
+        torch.cuda.synchronize(self.device)
+        return fn
+
     def _capture(self, fn: Callable[[], object]) -> Callable[[], object]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()  # compile kernels, settle the allocator
+            self._warm(fn)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         try:
             graph = torch.cuda.CUDAGraph()
@@ -261,12 +275,22 @@ class Timer:
             torch.cuda.synchronize(self.device)
             return fn
 
-    def copy_ceiling_gbps(self) -> float:
-        """Device-to-device copy bandwidth (read + write bytes) of a 1 GiB buffer."""
+    def copy_bandwidths_gbps(self) -> dict[str, float]:
+        """Device-to-device copy bandwidth (read + write bytes) of a 1 GiB buffer, three ways:
+        cudaMemcpy replayed from a graph (a graph's memcpy node may run on a copy engine) and
+        eagerly, and an elementwise kernel on the SMs (as the attention kernels read). The
+        ceiling is the fastest: the first GPU run measured 2.76 TB/s for the graph's memcpy
+        on an H200, below what decode itself read."""
         source = torch.empty(1 << 30, dtype=torch.uint8, device=self.device)
         target = torch.empty_like(source)
-        elapsed_us = self.median_us(lambda: target.copy_(source))
-        return 2 * source.numel() / elapsed_us / 1e3
+        words, target_words = source.view(torch.float32), target.view(torch.float32)
+        words.zero_()
+        variants = {
+            "memcpy graph": self.median_us(lambda: target.copy_(source)),
+            "memcpy eager": self.median_us(lambda: target.copy_(source), graph=False),
+            "SM kernel": self.median_us(lambda: torch.mul(words, 1.0, out=target_words)),
+        }
+        return {name: 2 * source.numel() / us / 1e3 for name, us in variants.items()}
 
 
 def spec_bandwidth_gbps(device_name: str) -> float | None:
@@ -359,14 +383,14 @@ def bench_decode(
     sdpa_us = sdpa_gather_us = None
     if len(set(lens)) == 1:
         sdpa_us, sdpa_gather_us = _time_sdpa_decode(batch, lens[0], shape, timer, scale)
-    launch = lc.decode_launch(
+    launch = cuda_backend.decode_launch_for(  # the launch the backend made
         shape.batch,
         shape.num_heads,
         shape.num_kv_heads,
         shape.head_dim,
         max(lens),
-        torch.cuda.get_device_properties(device).multi_processor_count,
-        dtype_name=str(dtype).removeprefix("torch."),  # the kernel the backend picks for it
+        str(dtype).removeprefix("torch."),
+        device.index,
     )
     result = DecodeResult(
         label=shape.label,
@@ -388,6 +412,88 @@ def bench_decode(
     )
     print(_decode_line(result))
     return result
+
+
+@dataclass(slots=True)
+class DecodeVariant:
+    """One way of running the kit's decode shape: which kernel, how many splits."""
+
+    label: str
+    group: int
+    kernel: str
+    num_splits: int
+    kernel_us: float
+    gbps: float
+    pct_copy_ceiling: float
+
+
+# (label, forced split count or None for the launcher's choice, tensor cores or None for the
+# launcher's choice): the launcher's choice beside the alternatives it passed over.
+DECODE_VARIANTS = (
+    ("launcher's choice", None, None),
+    *((f"tensor cores, {n} split{'s' * (n > 1)}", n, True) for n in (1, 2, 3, 4, 6)),
+    ("CUDA cores, launcher's splits", None, False),
+    ("CUDA cores, 1 split", 1, False),
+)
+
+
+@contextlib.contextmanager
+def forced_decode(num_splits: int | None, tensor_cores: bool | None) -> Iterator[None]:
+    """The launcher's split count and decode kernel replaced, for this process, while open."""
+    saved = lc.choose_num_splits, lc.DECODE_TC_MIN_GROUP
+    if num_splits is not None:
+        lc.choose_num_splits = lambda *args, **kwargs: num_splits
+    if tensor_cores is not None:
+        lc.DECODE_TC_MIN_GROUP = 1 if tensor_cores else lc.DECODE_MAX_HEADS_PER_CTA**2
+    try:
+        yield
+    finally:
+        lc.choose_num_splits, lc.DECODE_TC_MIN_GROUP = saved
+
+
+def bench_decode_variants(
+    dtype: torch.dtype, device: torch.device, timer: Timer, copy_gbps: float
+) -> list[DecodeVariant]:
+    """The kit's decode shape (batch 64, context 4k, head_dim 128) for GQA groups 4 and 8,
+    each way in DECODE_VARIANTS: what the launcher picks against what it could have."""
+    results = []
+    for group in KIT_BANDWIDTH_TARGET_GROUPS:
+        torch.cuda.empty_cache()
+        results += _bench_group_variants(group, dtype, device, timer, copy_gbps)
+    return results
+
+
+def _bench_group_variants(group, dtype, device, timer, copy_gbps) -> list[DecodeVariant]:
+    num_heads, num_kv_heads, head_dim, batch_size, context = 8 * group, 8, 128, 64, 4096
+    batch = build_paged_batch(
+        [context] * batch_size, [1] * batch_size, num_heads, num_kv_heads, head_dim, dtype, device
+    )
+    out = torch.empty_like(batch.query)
+    kv_bytes = batch_size * context * 2 * num_kv_heads * head_dim * dtype.itemsize
+    total_bytes = kv_bytes + 2 * batch.query.numel() * dtype.itemsize
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    def attend() -> None:
+        cuda_backend.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, head_dim**-0.5, out
+        )
+
+    results = []
+    for label, num_splits, tensor_cores in DECODE_VARIANTS:
+        with forced_decode(num_splits, tensor_cores):
+            kernel_us = timer.median_us(attend)
+            launch = cuda_backend.decode_launch_for(
+                batch_size, num_heads, num_kv_heads, head_dim, context, dtype_name, device.index
+            )
+        gbps = total_bytes / kernel_us / 1e3
+        result = DecodeVariant(label, group, launch.kernel_name, launch.num_splits, kernel_us,
+                               gbps, 100 * gbps / copy_gbps)  # fmt: skip
+        print(
+            f"decode variant group {group} {label:32s} splits={result.num_splits:2d} "
+            f"{kernel_us:8.1f} us {gbps:6.0f} GB/s {result.pct_copy_ceiling:5.1f}% copy"
+        )
+        results.append(result)
+    return results
 
 
 def _time_sdpa_decode(batch, context_len, shape, timer, scale) -> tuple[float | None, float | None]:
@@ -594,6 +700,19 @@ def markdown(report: dict) -> str:
             f"{r['kernel_tflops']:.1f} | {_fmt(r['sdpa_us'])} | {_fmt(r['sdpa_tflops'])} | "
             f"{_fmt(r['ratio_vs_sdpa'], 2)} | {r.get('sdpa_backend') or 'n/a'} |"
         )
+    if report.get("decode_variants"):
+        lines += [
+            "",
+            "## Decode, batch 64 x 4k: the launcher's choice and the alternatives",
+            "",
+            "| group | variant | kernel | splits | µs | GB/s | % copy |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for v in report["decode_variants"]:
+            lines.append(
+                f"| {v['group']} | {v['label']} | `{v['kernel']}` | {v['num_splits']} | "
+                f"{v['kernel_us']:.1f} | {v['gbps']:.0f} | {v['pct_copy_ceiling']:.1f} |"
+            )
     lines += ["", "## Targets", ""]
     for t in report["targets"]:
         lines.append(f"- {'PASS' if t['met'] else 'FAIL'}: {t['name']} ({t['value']:.2f})")

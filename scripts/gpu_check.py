@@ -420,9 +420,12 @@ def environment() -> dict:
 
 
 def _git_commit() -> str:
-    """The commit the tree was copied from (the GPU machine gets no .git: GPU_CHECK_COMMIT)."""
-    commit = _command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"])
-    return commit or os.environ.get("GPU_CHECK_COMMIT", "unknown")
+    """The commit the tree was copied from: GPU_CHECK_COMMIT when set (the GPU machine's copy
+    may carry the session's base commit, not the one under test), else git's HEAD."""
+    commit = os.environ.get("GPU_CHECK_COMMIT")
+    if commit:
+        return commit
+    return _command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"]) or "?"
 
 
 def _command_output(command: list[str]) -> str:
@@ -504,8 +507,23 @@ def _attention_lines(report: dict) -> list[str]:
             f"{'n/a' if sdpa is None else f'{sdpa:.1f}'} | "
             f"{'n/a' if ratio is None else f'{ratio:.2f}'} | {r.get('sdpa_backend')} |"
         )
-    lines += ["", *(f"- {'PASS' if t['met'] else 'FAIL'}: {t['name']} ({t['value']:.2f})"
-                    for t in report["targets"])]  # fmt: skip
+    if report.get("decode_variants"):
+        lines += ["", "| decode b64 ctx4k variant | group | kernel | splits | µs | GB/s | % copy |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for v in report["decode_variants"]:
+            lines.append(
+                f"| {v['label']} | {v['group']} | `{v['kernel']}` | {v['num_splits']} | "
+                f"{v['kernel_us']:.1f} | {v['gbps']:.0f} | {v['pct_copy_ceiling']:.1f} |"
+            )
+    copies = report.get("copy_bandwidths_gbps", {})
+    lines += [
+        "",
+        "Copy bandwidth (read + write): "
+        + ", ".join(f"{name} {gbps:.0f} GB/s" for name, gbps in copies.items()),
+        "",
+        *(f"- {'PASS' if t['met'] else 'FAIL'}: {t['name']} ({t['value']:.2f})"
+          for t in report["targets"]),
+    ]  # fmt: skip
     return lines
 
 

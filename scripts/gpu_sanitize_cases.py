@@ -10,7 +10,7 @@ decode on CUDA cores and on tensor cores, the split merge, prefill on CUDA cores
 cores, with and without a sliding window. Cases are small (a racecheck run of each kernel takes
 seconds, not minutes) and every unused cache slot is NaN, so a read outside a request shows up
 in the output as well as in the sanitizer. The output is checked against the torch reference
-on the same GPU; the script exits 1 if a kernel the cases must launch did not run or an output
+on the CPU (so that no attention kernel but ours runs on the GPU); the script exits 1 if a kernel the cases must launch did not run or an output
 is wrong. Needs CUDA and CuPy.
 """
 
@@ -73,8 +73,9 @@ CASES = (
 )  # fmt: skip
 
 
-def build_inputs(case: KernelCase, seq_lens, query_lens, device: torch.device, seed: int = 0):
-    """(query, key, value, kv_cache, metadata): blocks in scrambled order, NaN elsewhere."""
+def build_inputs(case: KernelCase, seq_lens, query_lens, seed: int = 0):
+    """(query, key, value, kv_cache, metadata) on the CPU: blocks in scrambled order, NaN in
+    every slot no request owns."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks_per_req) + 8
@@ -103,15 +104,29 @@ def build_inputs(case: KernelCase, seq_lens, query_lens, device: torch.device, s
         return torch.randn(num_tokens, heads, case.head_dim, generator=generator).to(case.dtype)
 
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_table=block_table.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_table=block_table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
     )
-    tensors = (rows(case.num_heads), rows(case.num_kv_heads), rows(case.num_kv_heads), kv_cache)
-    return (*(t.to(device) for t in tensors), metadata)
+    return (
+        rows(case.num_heads),
+        rows(case.num_kv_heads),
+        rows(case.num_kv_heads),
+        kv_cache,
+        metadata,
+    )
+
+
+def _on(device: torch.device, metadata: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(
+        *(t.to(device) for t in (metadata.slot_mapping, metadata.block_table, metadata.seq_lens,
+                                 metadata.query_start_loc)),
+        max_query_len=metadata.max_query_len,
+        max_seq_len=metadata.max_seq_len,
+    )  # fmt: skip
 
 
 def run_case(case: KernelCase, device: torch.device) -> list[str]:
@@ -125,19 +140,24 @@ def run_case(case: KernelCase, device: torch.device) -> list[str]:
 
 
 def run_batch(case: KernelCase, seq_lens, query_lens, device: torch.device) -> list[str]:
-    query, key, value, kv_cache, metadata = build_inputs(case, seq_lens, query_lens, device)
+    """The kernels on `device`, the torch reference on the CPU: under the sanitizer, only our
+    kernels and torch's copies run on the GPU (torch's own attention kernels are not ours to
+    check: racecheck flagged its memory-efficient SDPA in the first GPU run)."""
+    query, key, value, reference_cache, metadata = build_inputs(case, seq_lens, query_lens)
     scale = case.head_dim**-0.5
-    reference_cache = kv_cache.clone()
-    cuda_backend.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
-    out = cuda_backend.paged_attention(
-        query, kv_cache, metadata, scale, sliding_window=case.sliding_window
+    kv_cache = reference_cache.to(device)
+    on_device = _on(device, metadata)
+    cuda_backend.reshape_and_cache(
+        key.to(device), value.to(device), kv_cache, on_device.slot_mapping
     )
+    out = cuda_backend.paged_attention(
+        query.to(device), kv_cache, on_device, scale, sliding_window=case.sliding_window
+    ).cpu()
+    kv_cache = kv_cache.cpu()
     torch_reference.reshape_and_cache(key, value, reference_cache, metadata.slot_mapping)
     expected = torch_reference.paged_attention(
         query.float(), reference_cache.float(), metadata, scale, sliding_window=case.sliding_window
     )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     problems = []
     written = ~torch.isnan(reference_cache)
     if not torch.equal(kv_cache[written], reference_cache[written]):
