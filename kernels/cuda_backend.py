@@ -26,6 +26,7 @@ import torch
 
 from common.dtypes import DTYPE_NAMES, dtype_name
 from kernels import launch_config as lc
+from kernels import occupancy
 from kernels.attention_metadata import AttentionMetadata
 from kernels.module_loader import default_loader
 
@@ -171,16 +172,43 @@ class _Batch:
         )
 
 
+def decode_launch_for(
+    num_reqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    dtype_name: str,
+    device_index: int,
+    sliding_window: int | None = None,
+) -> lc.DecodeLaunch:
+    """The decode launch `paged_attention` makes for such a batch on this device: its kernel
+    compiled (once) and its occupancy read, so the splits are the ones that run."""
+    kernel_name = lc.decode_kernel_name_for(dtype_name, head_dim, num_heads // num_kv_heads)
+    kernel = default_loader().get_kernel("decode_attention.cu", kernel_name, device_index)
+    return lc.decode_launch(
+        num_reqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        max_seq_len,
+        _num_sms(device_index),
+        sliding_window=sliding_window,
+        dtype_name=dtype_name,
+        resident_ctas_per_sm=_resident_ctas_per_sm(kernel, kernel_name, device_index),
+    )
+
+
 def _run_decode(batch: _Batch, max_seq_len: int) -> None:
-    launch = lc.decode_launch(
+    launch = decode_launch_for(
         batch.num_reqs,
         batch.num_heads,
         batch.num_kv_heads,
         batch.head_dim,
         max_seq_len,
-        _num_sms(batch.device.index),
-        sliding_window=batch.sliding_window or None,
-        dtype_name=batch.dtype_name,
+        batch.dtype_name,
+        batch.device.index,
+        batch.sliding_window or None,
     )
     loader = default_loader()
     kernel = loader.get_kernel(
@@ -336,6 +364,19 @@ def _as_index(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+_RESIDENT_CTAS: dict[tuple[str, int], int] = {}
+
+
+def _resident_ctas_per_sm(kernel: Any, kernel_name: str, device_index: int) -> int | None:
+    """How many CTAs of a decode kernel one SM holds at once, from its compiled registers
+    (decode's shared memory is far below any limit); read once per kernel and device."""
+    key = (kernel_name, device_index)
+    if key not in _RESIDENT_CTAS:
+        shared = lc.decode_shared_mem_bytes(lc.DECODE_MAX_HEADS_PER_CTA, lc.MAX_HEAD_DIM)
+        _RESIDENT_CTAS[key] = occupancy.ctas_per_sm(kernel.num_regs, lc.DECODE_THREADS, shared)
+    return _RESIDENT_CTAS[key]
 
 
 @functools.cache

@@ -24,9 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.math_utils import round_up
 from kernels import launch_config as lc
 from kernels.module_loader import NVRTC_OPTIONS, load_source
+from kernels.occupancy import (
+    DEFAULT_SHARED_BYTES,
+    MAX_SHARED_BYTES_PER_CTA,
+)
 
 ARCH = "sm_90"
 # The head dims every run covers: the common ones, 72 (a multiple of 8 but not of 16: the
@@ -46,18 +49,6 @@ H100_SMS = 132
 SPLIT_LAUNCH = {"num_reqs": 1, "num_kv_heads": 1, "max_seq_len": 32768}
 UNSPLIT_LAUNCH = {"num_reqs": 4 * H100_SMS, "num_kv_heads": 1, "max_seq_len": 4096}
 INSTANCES_PER_COMPILE = 16
-
-# sm_90 limits (CUDA occupancy calculator, compute capability 9.0).
-MAX_REGISTERS_PER_THREAD = 255
-REGISTERS_PER_SM = 65536
-REGISTER_ALLOCATION_UNIT = 256  # registers, per warp
-MAX_THREADS_PER_SM = 2048
-MAX_CTAS_PER_SM = 32
-SHARED_BYTES_PER_SM = 228 * 1024
-MAX_SHARED_BYTES_PER_CTA = 227 * 1024
-RESERVED_SHARED_BYTES_PER_CTA = 1024
-SHARED_ALLOCATION_UNIT = 128
-DEFAULT_SHARED_BYTES = 48 * 1024  # per CTA without the opt-in
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,17 +399,6 @@ def shared_limit_bytes(dynamic_bytes: int) -> int:
     return (
         MAX_SHARED_BYTES_PER_CTA if dynamic_bytes > DEFAULT_SHARED_BYTES else DEFAULT_SHARED_BYTES
     )
-
-
-def ctas_per_sm(registers: int, threads_per_cta: int, shared_bytes: int) -> int:
-    """Resident CTAs per sm_90 SM, limited by registers, threads, CTA slots and shared memory."""
-    warps = math.ceil(threads_per_cta / 32)
-    registers_per_warp = round_up(max(registers, 1) * 32, REGISTER_ALLOCATION_UNIT)
-    by_registers = (REGISTERS_PER_SM // registers_per_warp) // warps
-    by_threads = MAX_THREADS_PER_SM // (warps * 32)
-    shared = round_up(shared_bytes + RESERVED_SHARED_BYTES_PER_CTA, SHARED_ALLOCATION_UNIT)
-    by_shared = SHARED_BYTES_PER_SM // shared
-    return min(by_registers, by_threads, by_shared, MAX_CTAS_PER_SM)
 
 
 def assumed_ctas_per_sm(config: KernelConfig, resources: KernelResources) -> int:

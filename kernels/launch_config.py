@@ -56,9 +56,16 @@ Dim3 = tuple[int, int, int]
 class SplitPolicy:
     """When decode splits the KV range of a request over several CTAs.
 
-    Decode is unsplit while it already has `min_ctas_per_sm` CTAs per SM; otherwise it splits
-    each request's context so that about `target_ctas_per_sm` CTAs per SM run, with at least
-    `min_keys_per_split` keys per split (rounded up to `key_alignment`) and at most `max_splits`.
+    Where the kernel's occupancy is known (`resident_ctas_per_sm`, read from the compiled
+    kernel on a GPU), the split count minimizes the time of a grid that runs in waves of
+    `resident_ctas_per_sm * num_sms` CTAs: waves x (keys per split + `split_overhead_keys`).
+    A last wave of a few CTAs leaves most SMs idle for as long as a full one (first GPU run:
+    512 unsplit CTAs of the tensor-core decode, 3 resident per SM on 132 SMs, read K/V at 72%
+    of the rate of the CUDA-core kernel's single wave); splitting fills it. Where it is not
+    known, decode is unsplit while it already has `min_ctas_per_sm` CTAs per SM, and otherwise
+    splits each request's context so that about `target_ctas_per_sm` CTAs per SM run. Either
+    way a split has at least `min_keys_per_split` keys (rounded up to `key_alignment`) and
+    there are at most `max_splits`.
     """
 
     min_ctas_per_sm: int = 2
@@ -66,6 +73,8 @@ class SplitPolicy:
     min_keys_per_split: int = 256
     key_alignment: int = 128
     max_splits: int = 64
+    # A CTA's fixed cost (query load, merge traffic, launch) in keys' worth of time.
+    split_overhead_keys: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +180,15 @@ def decode_uses_tensor_cores(dtype_name: str, group_size: int) -> bool:
     return dtype_name in TENSOR_CORE_DTYPES and group_size >= DECODE_TC_MIN_GROUP
 
 
+def decode_kernel_name_for(dtype_name: str, head_dim: int, group_size: int) -> str:
+    """The decode kernel a group of this size runs: decode_attention_tc when
+    `decode_uses_tensor_cores`, else decode_attention; `head_chunking`'s heads per CTA."""
+    heads_per_cta, _ = head_chunking(group_size)
+    if decode_uses_tensor_cores(dtype_name, group_size):
+        return decode_tc_kernel_name(dtype_name, head_dim, heads_per_cta)
+    return decode_kernel_name(dtype_name, head_dim, heads_per_cta)
+
+
 def block_divider(block_size: int) -> tuple[int, int]:
     """(block_magic, block_shift) for the decode kernels' division by `block_size`:
     block index = (mulhi(pos, magic) + pos) >> shift for every 0 <= pos < 2**31.
@@ -237,16 +255,39 @@ def max_attended_keys(max_seq_len: int, sliding_window: int | None) -> int:
 
 
 def choose_num_splits(
-    num_base_ctas: int, max_keys: int, num_sms: int, policy: SplitPolicy = SplitPolicy()
+    num_base_ctas: int,
+    max_keys: int,
+    num_sms: int,
+    policy: SplitPolicy = SplitPolicy(),
+    resident_ctas_per_sm: int | None = None,
 ) -> int:
-    """How many KV splits decode uses for at most `max_keys` keys per request; 1 when the
-    unsplit grid already fills the GPU."""
+    """How many KV splits decode uses for at most `max_keys` keys per request (see
+    `SplitPolicy`); 1 when splitting would not make the grid finish sooner."""
+    by_length = max(1, min(max_keys // policy.min_keys_per_split, policy.max_splits))
+    if resident_ctas_per_sm is not None:
+        return _fewest_waves_split(num_base_ctas, max_keys, num_sms * resident_ctas_per_sm,
+                                   by_length, policy)  # fmt: skip
     if num_base_ctas >= policy.min_ctas_per_sm * num_sms:
         return 1
     base = max(num_base_ctas, 1)
     by_occupancy = max(2, (policy.target_ctas_per_sm * num_sms + base // 2) // base)  # nearest
-    by_length = max_keys // policy.min_keys_per_split
-    return max(1, min(by_occupancy, by_length, policy.max_splits))
+    return max(1, min(by_occupancy, by_length))
+
+
+def _fewest_waves_split(
+    num_base_ctas: int, max_keys: int, wave_ctas: int, most_splits: int, policy: SplitPolicy
+) -> int:
+    """The split count in 1..most_splits with the least waves x (keys per split + overhead);
+    the fewest splits among equals."""
+    base = max(num_base_ctas, 1)
+    best, best_cost = 1, None
+    for wanted in range(1, most_splits + 1):
+        num_splits, keys_per_split = split_keys(max_keys, wanted, policy)
+        keys = max_keys if num_splits == 1 else keys_per_split
+        cost = cdiv(base * num_splits, max(wave_ctas, 1)) * (keys + policy.split_overhead_keys)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = num_splits, cost
+    return best
 
 
 def split_keys(
@@ -276,11 +317,13 @@ def decode_launch(
     policy: SplitPolicy = SplitPolicy(),
     sliding_window: int | None = None,
     dtype_name: str = "float32",
+    resident_ctas_per_sm: int | None = None,
 ) -> DecodeLaunch:
     """Grid x = kv_head * num_head_chunks + chunk, y = request, z = split.
 
-    Splits are sized by the keys a query attends to (its window, when shorter than max_seq_len).
-    The kernel: decode_attention_tc when `decode_uses_tensor_cores`, else decode_attention.
+    Splits are sized by the keys a query attends to (its window, when shorter than max_seq_len),
+    and counted by `choose_num_splits` (with the kernel's occupancy, when the caller knows it).
+    The kernel: `decode_kernel_name_for`.
     """
     check_head_dim(head_dim)
     check_num_reqs(num_reqs)
@@ -288,10 +331,9 @@ def decode_launch(
     heads_per_cta, num_head_chunks = head_chunking(group_size)
     num_base_ctas = num_reqs * num_kv_heads * num_head_chunks
     max_keys = max_attended_keys(max_seq_len, sliding_window)
-    wanted = choose_num_splits(num_base_ctas, max_keys, num_sms, policy)
+    wanted = choose_num_splits(num_base_ctas, max_keys, num_sms, policy, resident_ctas_per_sm)
     num_splits, keys_per_split = split_keys(max_keys, wanted, policy)
     tensor_cores = decode_uses_tensor_cores(dtype_name, group_size)
-    kernel_name = decode_tc_kernel_name if tensor_cores else decode_kernel_name
     return DecodeLaunch(
         grid=(num_kv_heads * num_head_chunks, num_reqs, num_splits),
         block=(DECODE_THREADS, 1, 1),
@@ -302,7 +344,7 @@ def decode_launch(
         keys_per_split=keys_per_split,
         merge_grid=(num_heads, num_reqs, 1),
         merge_block=(MERGE_THREADS, 1, 1),
-        kernel_name=kernel_name(dtype_name, head_dim, heads_per_cta),
+        kernel_name=decode_kernel_name_for(dtype_name, head_dim, group_size),
         uses_tensor_cores=tensor_cores,
     )
 

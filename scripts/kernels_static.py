@@ -33,11 +33,9 @@ from kernels.kernel_resources import (
     DEFAULT_HEAD_DIMS,
     DTYPE_BYTES,
     H100_SMS,
-    MAX_REGISTERS_PER_THREAD,
     QUICK_HEAD_DIMS,
     assumed_ctas_per_sm,
     compile_configs,
-    ctas_per_sm,
     enumerate_configs,
     find_tool,
     kernel_name,
@@ -45,6 +43,7 @@ from kernels.kernel_resources import (
     run_tool,
     shared_limit_bytes,
 )
+from kernels.occupancy import MAX_REGISTERS_PER_THREAD, ctas_per_sm
 from kernels.sass_analysis import (
     SassFunction,
     decode_loop_cost,

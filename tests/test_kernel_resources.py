@@ -18,6 +18,7 @@ import pytest
 
 from kernels import kernel_resources as kr
 from kernels import launch_config as lc
+from kernels import occupancy
 from kernels import sass_analysis as sa
 from kernels.module_loader import KERNEL_DIR
 
@@ -86,7 +87,7 @@ def test_kernel_fits_sm90(config, resources):
         f"{config.name_expression} spills {value.spill_store_bytes} bytes "
         f"(stack frame {value.stack_frame_bytes} bytes) at {value.registers} registers"
     )
-    assert value.registers <= kr.MAX_REGISTERS_PER_THREAD
+    assert value.registers <= occupancy.MAX_REGISTERS_PER_THREAD
     if value.max_threads_per_cta is not None:
         assert config.threads_per_cta <= value.max_threads_per_cta, "above __launch_bounds__"
     shared = value.static_shared_bytes + config.dynamic_shared_bytes
@@ -95,7 +96,7 @@ def test_kernel_fits_sm90(config, resources):
         f"{config.name_expression}: {value.static_shared_bytes} static + "
         f"{config.dynamic_shared_bytes} dynamic bytes of shared memory exceed {limit}"
     )
-    ctas = kr.ctas_per_sm(value.registers, config.threads_per_cta, shared)
+    ctas = occupancy.ctas_per_sm(value.registers, config.threads_per_cta, shared)
     assumed = kr.assumed_ctas_per_sm(config, value)
     assert ctas >= assumed, (
         f"{config.name_expression}: {value.registers} registers x {config.threads_per_cta} "
@@ -109,13 +110,13 @@ def test_kernel_fits_sm90(config, resources):
 
 def test_ctas_per_sm_follows_the_sm90_allocation_rules():
     # 240 registers -> 7680 per warp -> 8 warps -> two 4-warp CTAs.
-    assert kr.ctas_per_sm(240, 128, 16640) == 2
-    assert kr.ctas_per_sm(255, 128, 0) == 2  # 255 rounds to 256 per thread
-    assert kr.ctas_per_sm(32, 128, 0) == 16  # thread limit
-    assert kr.ctas_per_sm(16, 32, 0) == 32  # CTA slots
-    assert kr.ctas_per_sm(64, 128, 100 * 1024) == 2  # shared memory, 1 KB reserved per CTA
-    assert kr.ctas_per_sm(64, 128, 113 * 1024) == 2  # 2 x 114 KB = 228 KB, the SM's all
-    assert kr.ctas_per_sm(64, 128, 114 * 1024) == 1
+    assert occupancy.ctas_per_sm(240, 128, 16640) == 2
+    assert occupancy.ctas_per_sm(255, 128, 0) == 2  # 255 rounds to 256 per thread
+    assert occupancy.ctas_per_sm(32, 128, 0) == 16  # thread limit
+    assert occupancy.ctas_per_sm(16, 32, 0) == 32  # CTA slots
+    assert occupancy.ctas_per_sm(64, 128, 100 * 1024) == 2  # shared memory, 1 KB reserved per CTA
+    assert occupancy.ctas_per_sm(64, 128, 113 * 1024) == 2  # 2 x 114 KB = 228 KB, the SM's all
+    assert occupancy.ctas_per_sm(64, 128, 114 * 1024) == 1
 
 
 def test_shared_limit_follows_the_loaders_opt_in():

@@ -40,6 +40,8 @@ def loader(monkeypatch) -> EmulatedLoader:
     monkeypatch.setattr(cuda_backend, "default_loader", lambda: emulated)
     monkeypatch.setattr(cuda_backend, "_launch", launch_on_cpu)
     monkeypatch.setattr(cuda_backend, "_num_sms", lambda device_index: NUM_SMS)
+    # Occupancy unknown, as without a GPU: decode splits by its CTAs-per-SM rule.
+    monkeypatch.setattr(cuda_backend, "_resident_ctas_per_sm", lambda *args: None)
     monkeypatch.setattr(cuda_backend, "_max_shared_mem", lambda device_index: 227 * 1024)
     return emulated
 

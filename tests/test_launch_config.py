@@ -239,3 +239,45 @@ def test_block_divider_divides_every_int32_position(block_size):
 def test_block_divider_rejects_an_empty_block():
     with pytest.raises(ValueError, match="block_size=0"):
         lc.block_divider(0)
+
+
+def test_with_the_kernels_occupancy_splits_fill_the_last_wave():
+    """First GPU run: 512 unsplit CTAs of the tensor-core decode (3 resident per SM, 396 at
+    once on 132 SMs) ran a full wave and then a wave of 116; three splits run 1,536 CTAs in
+    four nearly full waves of 1,408-key splits (cost 4 x 1,472 against 2 x 4,160)."""
+    assert lc.choose_num_splits(512, 4096, H100_SMS, resident_ctas_per_sm=3) == 3
+    # The CUDA-core kernel for group 1 holds 4 per SM: 512 CTAs are one wave already.
+    assert lc.choose_num_splits(512, 4096, H100_SMS, resident_ctas_per_sm=4) == 1
+    # One request: as many splits as one wave holds, each at least min_keys_per_split.
+    launch = lc.decode_launch(1, 32, 8, 128, 32768, H100_SMS, resident_ctas_per_sm=3,
+                              dtype_name="bfloat16")  # fmt: skip
+    assert launch.grid[0] * launch.num_splits <= 3 * H100_SMS
+    assert launch.num_splits * launch.keys_per_split >= 32768
+    assert launch.num_splits > 32
+    # Short contexts are never split below min_keys_per_split keys.
+    assert lc.choose_num_splits(8, 300, H100_SMS, resident_ctas_per_sm=3) == 1
+
+
+@pytest.mark.parametrize("num_base_ctas", [1, 7, 100, 396, 397, 512, 2048, 8192])
+@pytest.mark.parametrize("max_keys", [256, 1000, 4096, 32768])
+def test_wave_split_is_never_predicted_slower_than_unsplit(num_base_ctas, max_keys):
+    policy = lc.SplitPolicy()
+    wave = 3 * H100_SMS
+
+    def cost(splits):
+        splits, keys = lc.split_keys(max_keys, splits, policy)
+        keys = max_keys if splits == 1 else keys
+        return cdiv(num_base_ctas * splits, wave) * (keys + policy.split_overhead_keys)
+
+    most = min(policy.max_splits, max(1, max_keys // policy.min_keys_per_split))
+    chosen = lc.choose_num_splits(num_base_ctas, max_keys, H100_SMS, policy, 3)
+    assert 1 <= chosen <= most
+    assert cost(chosen) <= cost(1)
+    assert all(cost(chosen) <= cost(n) for n in range(1, most + 1))
+
+
+def test_decode_kernel_name_for_matches_the_launch():
+    for dtype in ("float32", "bfloat16"):
+        for group in (1, 3, 4, 8, 12):
+            launch = lc.decode_launch(4, 2 * group, 2, 128, 1000, H100_SMS, dtype_name=dtype)
+            assert lc.decode_kernel_name_for(dtype, 128, group) == launch.kernel_name
