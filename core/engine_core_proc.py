@@ -35,6 +35,7 @@ from core.executor import Executor, WorkerFailedError
 from core.kv_cache_events import KVCacheEventLog
 from core.request import Request
 from core.scheduler import Scheduler, max_blocks_per_request
+from core.step_trace import StepTrace
 from proto import (
     AbortRequests,
     EngineCoreRequest,
@@ -94,6 +95,7 @@ class EngineCoreProc:
         self.engine_core: EngineCore | None = None
         self.kv_event_log: KVCacheEventLog | None = None  # data parallelism only
         self.vocab_size = 0  # known once the workers report; requests are read only after that
+        self.step_trace = StepTrace.from_env()  # CORE_ENGINE_STEP_TRACE: one line per step
 
     def run(self, stop_on_sigint: bool = True) -> int:
         """`stop_on_sigint=False` for a core launched by a frontend: a terminal's Ctrl-C reaches
@@ -149,8 +151,12 @@ class EngineCoreProc:
             if scheduler_output is None:
                 self._wait_for_frontend()
                 continue
+            sent_s = time.monotonic()
             self.executor.send_step(scheduler_output)
-            outputs = engine_core.update(scheduler_output, self._wait_for_step())
+            model_output = self._wait_for_step()
+            if self.step_trace is not None:
+                self.step_trace.record(scheduler_output, sent_s, time.monotonic())
+            outputs = engine_core.update(scheduler_output, model_output)
             if self.kv_event_log is not None:
                 outputs.kv_events = self.kv_event_log.take()
             if outputs.outputs or outputs.kv_events is not None:
@@ -290,6 +296,8 @@ class EngineCoreProc:
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=OUTPUT_LINGER_MS)
         self.context.term()
+        if self.step_trace is not None:
+            self.step_trace.close()
 
 
 def _install_signal_handlers(stop_on_sigint: bool) -> None:

@@ -20,6 +20,7 @@ and against one core with N threads (see `scripts/serving_data_parallel.py`).
 
     python -m scripts.bench_serving [--quick] [--rates 0.25 0.5 1 inf] [--url http://host:8000]
     python -m scripts.bench_serving --peer vllm [--peer-python /path/to/venv/bin/python]
+    python -m scripts.bench_serving --client vllm [--quick]     # vLLM's own client, both servers
     python -m scripts.bench_serving --data-parallel-size 2 [--quick]
 """
 
@@ -234,6 +235,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer", default=None, choices=("vllm",),
                         help="also measure this server, after core-serve")  # fmt: skip
     parser.add_argument(
+        "--client", default="ours", choices=("ours", "vllm"),
+        help="vllm: vLLM's own `vllm bench serve` (from --peer-python) against core-serve and "
+        "then vllm serve, on its random-token workloads (scripts/serving_vllm_client.py)",
+    )  # fmt: skip
+    parser.add_argument(
         "--peer-python",
         default=None,
         help="the Python of vLLM's virtual environment (default: $VLLM_PYTHON or "
@@ -263,6 +269,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--peer starts both servers itself, one at a time; it cannot use --url")
     if "--dtype" in shlex.split(args.server_args):
         parser.error("pass the dtype with --dtype (it goes to every server), not --server-args")
+    if args.client == "vllm" and (args.url is not None or args.data_parallel_size is not None):
+        parser.error(
+            "--client vllm starts core-serve and vllm serve itself (no --url, no --data-parallel-size)"
+        )
+    if args.client == "vllm":
+        args.peer = "vllm"
     if args.peer == "vllm":
         from scripts.vllm_peer import default_peer_python, vllm_version
 
@@ -291,6 +303,11 @@ def main() -> None:
     lengths = QUICK_LENGTHS if args.quick else FULL_LENGTHS
     if args.data_parallel_size is not None:
         main_data_parallel(args, rates, lengths)
+        return
+    if args.client == "vllm":
+        from scripts import serving_vllm_client
+
+        serving_vllm_client.main(args)
         return
     machine = machine_info()
     num_threads = args.threads or default_num_threads()

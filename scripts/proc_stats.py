@@ -1,0 +1,139 @@
+"""CPU time and context switches of a process tree, per process and per thread, from /proc.
+
+    before = snapshot(process_tree(pid)); ...; rows = thread_deltas(before, snapshot(...))
+
+A thread's CPU seconds are its utime + stime (clock ticks of /proc/PID/task/TID/stat); its
+context switches are the `voluntary_ctxt_switches` (it blocked: a poll, a lock, a sleep) and
+`nonvoluntary_ctxt_switches` (the kernel took its core away: another runnable thread wanted
+it) of /proc/PID/task/TID/status. Linux only; threads that start and end between two
+snapshots are not seen.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadSample:
+    pid: int
+    tid: int
+    process: str  # what the process is: its command line, shortened
+    thread: str  # the thread's name (comm)
+    cpu_s: float
+    voluntary_switches: int
+    involuntary_switches: int
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """`root_pid` and every live descendant."""
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            parent = _parent_pid(entry)
+            if parent is not None:
+                children.setdefault(parent, []).append(int(entry.name))
+    tree, frontier = [], [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        tree.append(pid)
+        frontier.extend(children.get(pid, []))
+    return sorted(tree)
+
+
+def _parent_pid(process_dir: Path) -> int | None:
+    try:
+        stat = (process_dir / "stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def snapshot(pids: list[int]) -> dict[tuple[int, int], ThreadSample]:
+    """Every thread of `pids` now, keyed by (pid, tid); vanished ones are left out."""
+    samples = {}
+    for pid in pids:
+        process = process_label(pid)
+        try:
+            tids = [int(name) for name in os.listdir(PROC / str(pid) / "task")]
+        except OSError:
+            continue
+        for tid in tids:
+            sample = _thread_sample(pid, tid, process)
+            if sample is not None:
+                samples[(pid, tid)] = sample
+    return samples
+
+
+def process_label(pid: int) -> str:
+    """A short name for the process: `python -m worker ...` -> "worker", else its program."""
+    try:
+        argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [word.decode(errors="replace") for word in argv if word]
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]
+    return Path(words[1] if len(words) > 1 and "python" in words[0] else words[0]).name
+
+
+def _thread_sample(pid: int, tid: int, process: str) -> ThreadSample | None:
+    task = PROC / str(pid) / "task" / str(tid)
+    try:
+        stat = (task / "stat").read_text()
+        status = (task / "status").read_text()
+    except OSError:
+        return None
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2 :].split()
+    cpu_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    switches = {
+        key: int(value)
+        for key, _, value in (line.partition(":") for line in status.splitlines())
+        if key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+    }
+    return ThreadSample(
+        pid, tid, process, name, cpu_s,
+        switches.get("voluntary_ctxt_switches", 0), switches.get("nonvoluntary_ctxt_switches", 0),
+    )  # fmt: skip
+
+
+def thread_deltas(
+    before: dict[tuple[int, int], ThreadSample], after: dict[tuple[int, int], ThreadSample]
+) -> list[ThreadSample]:
+    """What each thread did between the snapshots (threads born since count from zero),
+    busiest first."""
+    deltas = []
+    for key, end in after.items():
+        start = before.get(key)
+        deltas.append(
+            ThreadSample(
+                end.pid,
+                end.tid,
+                end.process,
+                end.thread,
+                end.cpu_s - (start.cpu_s if start else 0.0),
+                end.voluntary_switches - (start.voluntary_switches if start else 0),
+                end.involuntary_switches - (start.involuntary_switches if start else 0),
+            )  # fmt: skip
+        )
+    return sorted(deltas, key=lambda sample: -sample.cpu_s)
+
+
+def per_process(deltas: list[ThreadSample]) -> dict[str, dict[str, float]]:
+    """CPU seconds and context switches summed per process label."""
+    totals: dict[str, dict[str, float]] = {}
+    for sample in deltas:
+        total = totals.setdefault(
+            sample.process, {"cpu_s": 0.0, "voluntary": 0, "involuntary": 0, "threads": 0}
+        )
+        total["cpu_s"] += sample.cpu_s
+        total["voluntary"] += sample.voluntary_switches
+        total["involuntary"] += sample.involuntary_switches
+        total["threads"] += 1
+    return totals
