@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -48,7 +49,32 @@ QUICK = BurstWorkload("saturation", 16, 128, 16, float("inf"))
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # ids of ordinary tokens, as vLLM's random dataset draws
 
 
-def run_offline(workload: BurstWorkload, trace_path: Path, seed: int) -> dict:
+def tune_worker(root_pid: int, nice: int | None, pin: bool) -> None:
+    """Experiments on the worker process under `root_pid`: every thread's nice value, and the
+    two busiest threads (the OpenMP team) pinned to CPUs 0 and 1."""
+    if nice is None and not pin:
+        return
+    workers = [pid for pid in proc_stats.process_tree(root_pid)
+               if proc_stats.process_label(pid) == "worker"]  # fmt: skip
+    for pid in workers:
+        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        if nice is not None:
+            for tid in tids:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        if pin:
+            snapshot = proc_stats.snapshot([pid])
+            busiest = sorted(snapshot.values(), key=lambda t: -t.cpu_s)[:2]
+            for cpu, thread in enumerate(busiest):
+                os.sched_setaffinity(thread.tid, {cpu})
+
+
+def run_offline(
+    workload: BurstWorkload,
+    trace_path: Path,
+    seed: int,
+    nice: int | None = None,
+    pin: bool = False,
+) -> dict:
     """`LLM.generate` on random prompts of the workload's shape, traced and /proc-sampled."""
     from frontend import LLM
     from proto import SamplingParams
@@ -64,6 +90,7 @@ def run_offline(workload: BurstWorkload, trace_path: Path, seed: int) -> dict:
         with LLM(model=None, device="cpu", enable_prefix_caching=False) as llm:
             llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
             trace_path.write_text("")  # the warm-up's steps are not the workload's
+            tune_worker(os.getpid(), nice, pin)
             before = proc_stats.snapshot(proc_stats.process_tree(os.getpid()))
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -79,7 +106,13 @@ def run_offline(workload: BurstWorkload, trace_path: Path, seed: int) -> dict:
 
 
 def run_served(
-    workload: BurstWorkload, trace_path: Path, peer_python: str, work_dir: Path, seed: int
+    workload: BurstWorkload,
+    trace_path: Path,
+    peer_python: str,
+    work_dir: Path,
+    seed: int,
+    nice: int | None = None,
+    pin: bool = False,
 ) -> dict:
     """core-serve under `vllm bench serve`, traced and /proc-sampled around the client."""
     import httpx
@@ -94,16 +127,26 @@ def run_served(
             run_bench_serve(peer_python, url, model, tokenizer, warm_up, work_dir, seed)
             trace_path.write_text("")
             server_pid = _server_pid(url)
+            tune_worker(server_pid, nice, pin)
             before = proc_stats.snapshot(proc_stats.process_tree(server_pid))
+            client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             start = time.perf_counter()
             result = run_bench_serve(peer_python, url, model, tokenizer, workload, work_dir, seed)
             elapsed_s = time.perf_counter() - start
+            client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
             after = proc_stats.snapshot(proc_stats.process_tree(server_pid))
     finally:
         del os.environ[STEP_TRACE_ENV]
     return {
         "elapsed_s": elapsed_s,
         "client": summary(result),
+        # The client is a finished child by then: its CPU time and switches, as rusage has them.
+        "client_process": {
+            "cpu_s": (client_after.ru_utime + client_after.ru_stime)
+            - (client_before.ru_utime + client_before.ru_stime),
+            "voluntary": client_after.ru_nvcsw - client_before.ru_nvcsw,
+            "involuntary": client_after.ru_nivcsw - client_before.ru_nivcsw,
+        },
         "threads": proc_stats.thread_deltas(before, after),
     }
 
@@ -171,6 +214,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="set for both engines (repeatable)")  # fmt: skip
     parser.add_argument("--peer-python", default=default_peer_python(),
                         help="the Python of the virtual environment with vLLM (its client)")  # fmt: skip
+    parser.add_argument("--worker-nice", type=int, default=None,
+                        help="experiment: this nice value for every worker thread")  # fmt: skip
+    parser.add_argument("--pin-worker-threads", action="store_true",
+                        help="experiment: the worker's two busiest threads on CPUs 0 and 1")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     return parser.parse_args(argv)
@@ -183,10 +230,11 @@ def main(argv: list[str] | None = None) -> None:
     workload = QUICK if args.quick else SATURATION
     with tempfile.TemporaryDirectory(prefix="serving-profile-") as folder:
         work_dir = Path(folder)
-        offline = run_offline(workload, work_dir / "offline.jsonl", args.seed)
+        tweaks = {"nice": args.worker_nice, "pin": args.pin_worker_threads}
+        offline = run_offline(workload, work_dir / "offline.jsonl", args.seed, **tweaks)
         offline["steps"] = step_stats(read_step_trace(work_dir / "offline.jsonl"))
         served = run_served(
-            workload, work_dir / "served.jsonl", args.peer_python, work_dir, args.seed
+            workload, work_dir / "served.jsonl", args.peer_python, work_dir, args.seed, **tweaks
         )
         served["steps"] = step_stats(read_step_trace(work_dir / "served.jsonl"))
     result = {
@@ -194,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(),
         "workload": workload.describe(),
         "env": settings,
+        "worker_nice": args.worker_nice,
+        "pin_worker_threads": args.pin_worker_threads,
         "offline": _jsonable(offline),
         "served": _jsonable(served),
     }
@@ -225,7 +275,8 @@ def render_markdown(result: dict) -> str:
     lines = [
         f"# Serving profile: {result['workload']}",
         "",
-        f"Environment set for both engines: {result['env'] or 'none'}.",
+        f"Environment set for both engines: {result['env'] or 'none'}; worker nice "
+        f"{result['worker_nice']}, worker threads pinned: {result['pin_worker_threads']}.",
         "",
         f"Offline: {offline['elapsed_s']:.2f} s, {offline['output_tok_s']:.1f} output tok/s. "
         f"Served: {served['elapsed_s']:.2f} s for the client's run; client: "
@@ -263,6 +314,10 @@ def render_markdown(result: dict) -> str:
             [name, f"{p['cpu_s']:.2f}", p["voluntary"], p["involuntary"], p["threads"]]
             for name, p in sorted(run["processes"].items(), key=lambda kv: -kv[1]["cpu_s"])
         ]
+        if "client_process" in run:
+            client = run["client_process"]
+            rows.append(["vllm bench serve (the client)", f"{client['cpu_s']:.2f}",
+                         client["voluntary"], client["involuntary"], "n/a"])  # fmt: skip
         lines.append(markdown_table(
             ["process", "CPU s", "voluntary switches", "involuntary switches", "threads"], rows
         ))  # fmt: skip

