@@ -185,7 +185,6 @@ def decode_launch_for(
     """The decode launch `paged_attention` makes for such a batch on this device: its kernel
     compiled (once) and its occupancy read, so the splits are the ones that run."""
     kernel_name = lc.decode_kernel_name_for(dtype_name, head_dim, num_heads // num_kv_heads)
-    kernel = default_loader().get_kernel("decode_attention.cu", kernel_name, device_index)
     return lc.decode_launch(
         num_reqs,
         num_heads,
@@ -195,7 +194,7 @@ def decode_launch_for(
         _num_sms(device_index),
         sliding_window=sliding_window,
         dtype_name=dtype_name,
-        resident_ctas_per_sm=_resident_ctas_per_sm(kernel, kernel_name, device_index),
+        resident_ctas_per_sm=_resident_ctas_per_sm(kernel_name, device_index),
     )
 
 
@@ -366,17 +365,13 @@ def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-_RESIDENT_CTAS: dict[tuple[str, int], int] = {}
-
-
-def _resident_ctas_per_sm(kernel: Any, kernel_name: str, device_index: int) -> int | None:
+@functools.cache
+def _resident_ctas_per_sm(kernel_name: str, device_index: int) -> int | None:
     """How many CTAs of a decode kernel one SM holds at once, from its compiled registers
     (decode's shared memory is far below any limit); read once per kernel and device."""
-    key = (kernel_name, device_index)
-    if key not in _RESIDENT_CTAS:
-        shared = lc.decode_shared_mem_bytes(lc.DECODE_MAX_HEADS_PER_CTA, lc.MAX_HEAD_DIM)
-        _RESIDENT_CTAS[key] = occupancy.ctas_per_sm(kernel.num_regs, lc.DECODE_THREADS, shared)
-    return _RESIDENT_CTAS[key]
+    kernel = default_loader().get_kernel("decode_attention.cu", kernel_name, device_index)
+    shared = lc.decode_shared_mem_bytes(lc.DECODE_MAX_HEADS_PER_CTA, lc.MAX_HEAD_DIM)
+    return occupancy.ctas_per_sm(kernel.num_regs, lc.DECODE_THREADS, shared)
 
 
 @functools.cache
