@@ -183,8 +183,11 @@ def decode_launch_for(
     sliding_window: int | None = None,
 ) -> lc.DecodeLaunch:
     """The decode launch `paged_attention` makes for such a batch on this device: its kernel
-    compiled (once) and its occupancy read, so the splits are the ones that run."""
-    kernel_name = lc.decode_kernel_name_for(dtype_name, head_dim, num_heads // num_kv_heads)
+    compiled (once) and its occupancy read, so the splits are the ones that run. Bad head
+    counts or sizes raise decode_launch's ValueError before anything is compiled."""
+    lc.check_head_dim(head_dim)
+    group_size = lc.check_heads(num_heads, num_kv_heads)
+    kernel_name = lc.decode_kernel_name_for(dtype_name, head_dim, group_size)
     return lc.decode_launch(
         num_reqs,
         num_heads,
@@ -366,7 +369,7 @@ def _num_sms(device_index: int) -> int:
 
 
 @functools.cache
-def _resident_ctas_per_sm(kernel_name: str, device_index: int) -> int | None:
+def _resident_ctas_per_sm(kernel_name: str, device_index: int) -> int:
     """How many CTAs of a decode kernel one SM holds at once, from its compiled registers
     (decode's shared memory is far below any limit); read once per kernel and device."""
     kernel = default_loader().get_kernel("decode_attention.cu", kernel_name, device_index)

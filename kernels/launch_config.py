@@ -7,6 +7,7 @@ checks that they agree); change both together.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from common.math_utils import cdiv, round_up
@@ -274,11 +275,13 @@ def choose_num_splits(
     return max(1, min(by_occupancy, by_length))
 
 
+@functools.lru_cache(maxsize=4096)
 def _fewest_waves_split(
     num_base_ctas: int, max_keys: int, wave_ctas: int, most_splits: int, policy: SplitPolicy
 ) -> int:
     """The split count in 1..most_splits with the least waves x (keys per split + overhead);
-    the fewest splits among equals."""
+    the fewest splits among equals. Cached: every layer of a step asks the same question, and
+    the search tries up to max_splits counts."""
     base = max(num_base_ctas, 1)
     best, best_cost = 1, None
     for wanted in range(1, most_splits + 1):
