@@ -5,22 +5,38 @@ they are marked `slow`; together they take about two and a half minutes on two b
 helpers they rely on (percentiles, arrivals, the ideal prefix hit count, the plot and the README
 section) are checked in-process first, and so are the peers' parts that need no peer: argument
 parsing, result rendering, and the JSON-lines protocol, against fake runners (the real vLLM
-runner over a fake `vllm` package). Nothing here imports or needs vLLM or llama.cpp.
+runner over a fake `vllm` package). Nothing here imports or needs vLLM or llama.cpp. The GPU
+run kit's dry run and the serving measurement tools are checked here too (sections below).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
+import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from core.step_trace import StepRecord
 from frontend.null_tokenizer import NullTokenizer
-from scripts import bench_offline, bench_serving, vllm_peer
+from kernels import cuda_backend
+from scripts import (
+    bench_attention,
+    bench_offline,
+    bench_serving,
+    gpu_check,
+    gpu_sanitize_cases,
+    proc_stats,
+    serving_vllm_client,
+    vllm_peer,
+)
 from scripts.bench_common import (
     REPO_ROOT,
     GenerationWorkload,
@@ -38,9 +54,13 @@ from scripts.bench_offline import (
 )
 from scripts.bench_prefix_cache import BLOCK_SIZE, build_prompts, ideal_hits
 from scripts.bench_serving import arrival_offsets_s, peer_ratios, server_device
+from scripts.gpu_check import ProcessRun, junit_counts, sanitizer_outcome
 from scripts.llama_server_peer import find_llama_server
 from scripts.peer_process import PeerError, PeerProcess, parse_peer_message, parse_run_result
 from scripts.plot_results import plot_serving, write_readme_section
+from scripts.serving_profile import step_stats
+from scripts.vllm_bench_client import SATURATION, bench_serve_argv, summary
+from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
 
 SCRIPT_TIMEOUT_S = 300
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -684,3 +704,311 @@ def test_kv_memory_benchmark_groups_gemma3_layers_and_frees_out_of_window_blocks
     peak = 512 + 5 * 96
     expected = (budget_blocks - peak) // hybrid["blocks_per_request"] + 1
     assert hybrid["max_concurrent_requests"] == expected == 15
+
+
+# ---- the GPU run kit (scripts/gpu_check.py): its dry run goes through the same plumbing as a
+# GPU run; its parsers read real tool output shapes; its sanitizer cases launch every kernel
+# they promise (in the CPU emulator of the CUDA kernels); what it imports exists on the GPU
+# machine or in its wheelhouse; its benchmark targets are the issue's. -------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run of a machine without CUDA")
+def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    completed = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    report = json.loads((out / gpu_check.REPORT_JSON).read_text())
+    steps = {step["name"]: step for step in report["steps"]}
+    assert list(steps) == ["gpu tests", "attention benchmark", "engine tiny", "compute-sanitizer"]
+    assert steps["gpu tests"]["status"] == "skipped"
+    assert steps["gpu tests"]["figures"]["collected"] >= 100
+    assert steps["gpu tests"]["figures"]["files"] == ["tests/test_kernels_gpu.py"]
+    for name in ("compute-sanitizer", "attention benchmark"):
+        assert steps[name] | {"seconds": 0} == {
+            "name": name, "status": "skipped", "summary": "skipped: no CUDA", "seconds": 0,
+            "figures": {},
+        }  # fmt: skip
+    engine = steps["engine tiny"]
+    assert engine["status"] == "passed", engine
+    assert engine["figures"]["parity"]["equal"]
+    assert engine["figures"]["throughput"]["output_tok_s"] > 0
+    assert report["environment"]["torch"] == torch.__version__
+    # What comes back from the GPU machine: at most 8 files, none in a subfolder.
+    files = list(out.iterdir())
+    assert 3 <= len(files) <= 8 and all(f.is_file() for f in files)
+    markdown = (out / gpu_check.REPORT_MD).read_text()
+    assert all(f"| {name} |" in markdown for name in steps)
+    assert "===== engine tiny" in (out / gpu_check.LOG_FILE).read_text()
+
+
+def test_a_failing_step_is_recorded_and_the_next_steps_still_run(tmp_path, monkeypatch):
+    def broken(context, timeout_s):
+        raise KeyError("a bug in the kit")
+
+    def fine(context, timeout_s):
+        return gpu_check.StepResult("fine", "passed", "ran")
+
+    monkeypatch.setattr(
+        gpu_check,
+        "kit_steps",
+        lambda dry_run: [gpu_check.Step("broken", 10, broken), gpu_check.Step("fine", 10, fine)],
+    )
+    monkeypatch.setattr(gpu_check, "environment", lambda: {"python": "3"})
+    results = gpu_check.run_kit(tmp_path, dry_run=True, budget_s=100)
+    assert [(r.name, r.status) for r in results] == [("broken", "failed"), ("fine", "passed")]
+    assert "KeyError" in results[0].summary
+    saved = json.loads((tmp_path / gpu_check.REPORT_JSON).read_text())
+    assert [step["status"] for step in saved["steps"]] == ["failed", "passed"]
+
+
+def test_steps_that_no_longer_fit_the_budget_are_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "environment", dict)
+    results = gpu_check.run_kit(tmp_path, dry_run=True, budget_s=gpu_check.MIN_STEP_S - 1)
+    assert results and all(r.status == "skipped" for r in results)
+    assert all(r.summary.startswith("out of time") for r in results)
+
+
+def test_a_step_past_its_timeout_is_killed_and_says_so(tmp_path):
+    context = gpu_check.KitContext(tmp_path, tmp_path, dry_run=True, cuda=False, deadline=0)
+    run = gpu_check.run_process(
+        context, "sleeper", [sys.executable, "-c", "print('started', flush=True); "
+                             "import time; time.sleep(30)"], timeout_s=2,
+    )  # fmt: skip
+    assert run.timed_out and "started" in run.output
+    assert "sleeper" in context.log[0] and "timed out" in context.log[0]
+
+
+def test_junit_counts_and_failing_ids(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4" failures="1" '
+        'errors="1" skipped="1"><testcase classname="tests.test_kernels_gpu" name="test_a"/>'
+        '<testcase classname="tests.test_kernels_gpu" name="test_b"><failure message="x"/>'
+        '</testcase><testcase classname="tests.test_kernels_gpu" name="test_c"><error/>'
+        '</testcase><testcase classname="t" name="test_d"><skipped/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert junit_counts(path) == {
+        "tests": 4, "failures": 1, "errors": 1, "skipped": 1,
+        "failing": ["tests.test_kernels_gpu::test_b", "tests.test_kernels_gpu::test_c"],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("returncode", "output", "outcome"),
+    [
+        (0, "========= ERROR SUMMARY: 0 errors\n", "clean"),
+        (0, "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", "clean"),
+        (3, "========= Invalid __global__ read of size 4\n========= ERROR SUMMARY: 2 errors\n",
+         "2 errors or hazards"),
+        (1, "ok: case\n========= ERROR SUMMARY: 0 errors\n", "exit 1 (see the log)"),
+        (0, "ok: case\n", "no sanitizer summary in the output"),
+        (None, "", "timed out"),
+    ],
+)  # fmt: skip
+def test_sanitizer_outcome(returncode, output, outcome):
+    assert sanitizer_outcome(ProcessRun(returncode, output, 1.0)) == outcome
+
+
+@pytest.mark.skipif(not compiler_available(), reason="g++ is not installed")
+def test_sanitizer_cases_launch_every_kernel_they_promise(monkeypatch):
+    """Every case in the CUDA emulator: each expected kernel launches, outputs match."""
+    emulated = EmulatedLoader()
+    monkeypatch.setattr(cuda_backend, "default_loader", lambda: emulated)
+    monkeypatch.setattr(cuda_backend, "_launch", launch_on_cpu)
+    monkeypatch.setattr(cuda_backend, "_num_sms", lambda device_index: 4)
+    # Occupancy unknown, as without a GPU: decode splits by its CTAs-per-SM rule.
+    monkeypatch.setattr(cuda_backend, "_resident_ctas_per_sm", lambda *args: None)
+    monkeypatch.setattr(cuda_backend, "_max_shared_mem", lambda device_index: 227 * 1024)
+    all_expected = set()
+    for case in gpu_sanitize_cases.CASES:
+        assert gpu_sanitize_cases.run_case(case, torch.device("cpu")) == []
+        all_expected.update(case.expected_kernels)
+    launched = {name for (_, name), kernel in emulated.kernels.items() if kernel.num_launches}
+    for prefix in all_expected:
+        assert any(name.startswith(prefix) for name in launched), prefix
+    kinds = {name.split("<")[0] for name in launched}
+    assert kinds == {
+        "reshape_and_cache", "decode_attention", "decode_attention_tc", "merge_attention_states",
+        "prefill_attention", "prefill_attention_tc",
+    }  # fmt: skip
+
+
+def test_sanitizer_case_script_refuses_to_run_without_cuda():
+    if cuda_backend.is_available():
+        pytest.skip("this machine has CUDA")
+    assert gpu_sanitize_cases.main([]) == 2
+
+
+IMPORT_PROBE = """
+import sys
+import scripts.gpu_engine_check, scripts.gpu_sanitize_cases, scripts.bench_attention
+import tests.test_kernels_gpu, frontend.llm, core.engine_core_proc, worker.worker
+import worker.model_loader, worker.safetensors_loader, worker.__main__
+print(" ".join(sorted({name.split(".")[0] for name in sys.modules})))
+"""
+
+
+def test_the_kit_imports_only_what_the_gpu_machine_has_or_the_wheelhouse_brings():
+    completed = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    ours = {"common", "proto", "core", "worker", "kernels", "frontend", "scripts", "tests"}
+    third_party = {
+        name
+        for name in completed.stdout.split()
+        if name not in sys.stdlib_module_names and not name.startswith("_") and name not in ours
+    }
+    allowed = gpu_check.GPU_MACHINE_HAS | gpu_check.GPU_MACHINE_LACKS_MODULES
+    # Not packages: the editable install's finder, torch's build helpers, Cython's runtime.
+    local = {
+        name
+        for name in third_party
+        if name.startswith(("__editable__", "torchgen")) or name == "cython_runtime"
+    }
+    assert third_party - local - allowed == set()
+    assert third_party >= gpu_check.GPU_MACHINE_LACKS_MODULES  # nothing brought for nothing
+
+
+def test_wheelhouse_downloads_only_what_the_machine_lacks_at_our_versions(tmp_path):
+    command = gpu_check.wheelhouse_command(tmp_path)
+    assert command[:4] == [sys.executable, "-m", "pip", "download"]
+    assert {"--no-deps", "--only-binary=:all:"} <= set(command)
+    assert command[command.index("--python-version") + 1] == "3.12"
+    assert "manylinux_2_28_x86_64" in command and str(tmp_path) in command
+    pins = [arg for arg in command if "==" in arg]
+    assert pins == [f"{name}=={importlib.metadata.version(name)}" for name in ("msgspec", "pyzmq")]
+
+
+def test_kit_benchmark_shapes_and_targets_are_the_issues():
+    decode = bench_attention.kit_decode_shapes()
+    assert [(s.num_heads // s.num_kv_heads, s.batch, s.context_lens[0], s.head_dim)
+            for s in decode] == [(1, 64, 4096, 128), (4, 64, 4096, 128), (8, 64, 4096, 128)]  # fmt: skip
+    prefill = bench_attention.kit_prefill_shapes()
+    assert [(batch, q_len, ctx) for batch, q_len, ctx, *_ in prefill] == [
+        (8, 1024, 1024), (2, 4096, 4096),
+    ]  # fmt: skip
+
+    def decode_result(shape, pct):
+        return bench_attention.DecodeResult(
+            shape.label, 64, 4096.0, shape.num_heads, shape.num_kv_heads, 128, "bfloat16", 1,
+            100.0, 1.0, None, pct, None, None, None, None,
+        )  # fmt: skip
+
+    def prefill_result(q_len, ratio):
+        return bench_attention.PrefillResult(
+            f"kit: prefill {q_len}", 1, q_len, q_len, 32, 8, 128, "bfloat16", 1.0, 1.0, 1.0, 1.0,
+            ratio, "flash",
+        )  # fmt: skip
+
+    targets = bench_attention.check_targets(
+        [decode_result(decode[0], 50.0), decode_result(decode[1], 86.0),
+         decode_result(decode[2], 84.0)],
+        [prefill_result(1024, 0.71), prefill_result(4096, 0.69)],
+    )  # fmt: skip
+    assert [(t["name"], t["met"]) for t in targets] == [
+        ("decode b64 ctx4k group 4 >= 85% of copy ceiling", True),
+        ("decode b64 ctx4k group 8 >= 85% of copy ceiling", False),
+        ("prefill 1024 tokens >= 0.7x SDPA (flash)", True),
+        ("prefill 4096 tokens >= 0.7x SDPA (flash)", False),
+    ]
+
+
+# ---- the serving measurement tools: /proc accounting, step statistics, vLLM's client's command
+# line and the engine / vLLM comparison, on this process and on fake results (no vLLM). --------
+
+
+def test_proc_stats_see_this_process_and_a_busy_child():
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                              "while time.time() - t < 1.5: pass"])  # fmt: skip
+    try:
+        time.sleep(0.2)
+        pids = proc_stats.process_tree(os.getpid())
+        assert os.getpid() in pids and child.pid in pids
+        before = proc_stats.snapshot(pids)
+        time.sleep(0.8)
+        deltas = proc_stats.thread_deltas(before, proc_stats.snapshot(pids))
+    finally:
+        child.wait()
+    busiest = deltas[0]
+    assert busiest.pid == child.pid and busiest.process == "-c"
+    assert 0.3 <= busiest.cpu_s <= 1.2
+    totals = proc_stats.per_process(deltas)
+    assert totals["-c"]["threads"] == 1 and totals["-c"]["cpu_s"] == busiest.cpu_s
+
+
+def test_process_label_names_python_modules():
+    assert proc_stats.process_label(os.getpid()) in ("pytest", "py.test", "__main__.py")
+
+
+def record(sent, received, tokens, reqs, decodes):
+    return StepRecord(sent, received, tokens, reqs, decodes)
+
+
+def test_step_stats_split_decode_and_prefill_steps_and_measure_gaps():
+    records = [
+        record(0.000, 0.100, 200, 2, 0),  # prefill
+        record(0.110, 0.140, 2, 2, 2),  # decode, batch 2
+        record(0.150, 0.170, 2, 2, 2),
+        record(0.200, 0.230, 1, 1, 1),  # decode, batch 1
+    ]
+    stats = step_stats(records)
+    assert stats["num_steps"] == 4 and stats["num_prefill_steps"] == 1
+    assert math.isclose(stats["prefill_step_ms_median"], 100.0)
+    assert stats["decode_steps_by_batch"] == {1: 1, 2: 2}
+    assert math.isclose(stats["decode_step_ms_median_by_batch"][2], 25.0)
+    assert math.isclose(stats["gap_ms_total"], 10 + 10 + 30)
+    assert math.isclose(stats["gap_ms_median"], 10.0)
+    assert math.isclose(stats["span_s"], 0.230)
+    assert math.isclose(stats["steps_s"], 0.100 + 0.030 + 0.020 + 0.030)
+
+
+def test_vllm_client_argv_runs_the_random_burst_with_ignore_eos(tmp_path):
+    argv = bench_serve_argv("/venv/bin/python", "http://127.0.0.1:9", "m", tmp_path / "tok",
+                            SATURATION, tmp_path, "r.json")  # fmt: skip
+    assert argv[0] == "/venv/bin/python" and argv[1] == "-c"
+    pairs = dict(zip(argv[3::1], argv[4::1], strict=False))
+    assert pairs["--random-input-len"] == "128" and pairs["--random-output-len"] == "64"
+    assert pairs["--num-prompts"] == "64" and pairs["--request-rate"] == "inf"
+    assert pairs["--endpoint"] == "/v1/completions" and "--ignore-eos" in argv
+
+
+def fake_result(throughput, ttft, tpot, completed=64):
+    return {"output_throughput": throughput, "median_ttft_ms": ttft, "median_tpot_ms": tpot,
+            "median_itl_ms": tpot, "p99_tpot_ms": 2 * tpot, "completed": completed,
+            "num_prompts": 64}  # fmt: skip
+
+
+def test_summary_counts_failed_requests_when_the_client_does_not():
+    assert summary(fake_result(100.0, 5.0, 2.0, completed=60))["failed"] == 4
+
+
+def test_ratios_and_markdown_compare_engine_with_vllm():
+    ours = {"saturation": {"summary": summary(fake_result(150.0, 400.0, 30.0))}}
+    theirs = {"saturation": {"summary": summary(fake_result(100.0, 500.0, 40.0))}}
+    table = serving_vllm_client.ratios(ours, theirs)
+    assert math.isclose(table["saturation"]["output_throughput"], 1.5)
+    assert math.isclose(table["saturation"]["median_ttft_ms"], 0.8)
+    result = {
+        "machine": {"processor": "cpu", "num_cpus": 2, "memory_gib": 24.0,
+                    "load_average_1m": 0.0, "python": "3", "git_commit": "x",
+                    "date_utc": "now", "cpu_simd": "AVX2"},
+        "client": "vllm bench serve", "server": "core-serve", "peer": "vLLM",
+        "num_threads": 2, "workloads": {"saturation": SATURATION.describe()},
+        "engine": ours, "vllm": theirs, "ratios": table,
+    }  # fmt: skip
+    markdown = serving_vllm_client.render_markdown(result)
+    assert "| output tok/s | 150.0 | 100.0 | 1.50 |" in markdown
+    assert "AVX2" in markdown and "64 prompts, 128 in / 64 out, rate inf" in markdown

@@ -31,7 +31,7 @@ ALLOWED = {
     "tests": {"common", "proto", "core", "worker", "kernels", "frontend", "tests"},
 }
 # Test modules whose subject is the scripts themselves.
-SCRIPT_TESTS = {"test_benchmarks.py", "test_gpu_check.py", "test_serving_profile.py"}
+SCRIPT_TESTS = {"test_benchmarks.py"}
 # Third-party packages a package must not import at module level.
 FORBIDDEN_AT_IMPORT = {
     "common": {"torch", "cupy", "zmq"},
