@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_backend, torch_reference
+from kernels import torch_reference
 from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu import backend as cpu_backend
 
 
 def write_kv_and_attend(
@@ -41,7 +42,7 @@ def write_kv_and_attend(
 def select_backend(device: torch.device):
     """Returns a module with `reshape_and_cache` and `paged_attention` for this device."""
     if device.type == "cuda":
-        from kernels import cuda_backend
+        from kernels.cuda import backend as cuda_backend
 
         if cuda_backend.is_available():
             return cuda_backend

@@ -1,7 +1,7 @@
 """Torch reference backend for paged attention: correct on any device, simple, not fast.
 
 This is the ground truth that the CUDA and CPU C kernels are tested against. On CPU the engine
-uses `kernels/cpu_backend.py`, which sends queries too long for its C kernel to this module's
+uses `kernels/cpu/backend.py`, which sends queries too long for its C kernel to this module's
 SDPA prefill and falls back to this module wholly without the C kernels (no compiler,
 --enforce-eager) or for a cache they do not take (its dtype or head size).
 """

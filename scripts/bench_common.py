@@ -201,7 +201,7 @@ def default_hf_folder(model: str | None) -> Path:
             f"model {model!r} is not a Hugging Face folder; pass --hf-model with the same "
             "weights as a transformers-loadable folder"
         )
-    from worker.reference_model import converted_default_model_folder
+    from tools.reference_model import converted_default_model_folder
 
     return converted_default_model_folder()
 

@@ -1,10 +1,10 @@
 """The CPU worker's linears, several ways, on the default model's shapes, in one dtype (the
 engine's default on this CPU unless --dtype):
-- bfloat16: the project's bf16 kernel (`kernels/cpu_bf16_matmul.c`, what a bf16 model runs
+- bfloat16: the project's bf16 kernel (`kernels/cpu/bf16_matmul.c`, what a bf16 model runs
   where the CPU has AVX512_BF16), oneDNN's bf16 linear on pre-packed weights (where oneDNN
   runs bf16), and torch's weight-only int8 matmul (`aten._weight_int8pack_mm`, per-channel
   scales: the quantized alternative);
-- float32: the project's float32 kernel (`kernels/cpu_f32_matmul.c`, what a float32 model runs
+- float32: the project's float32 kernel (`kernels/cpu/f32_matmul.c`, what a float32 model runs
   on an AVX2 CPU without AVX-512), oneDNN's float32 linear on pre-packed weights (what it runs
   elsewhere) and plain `F.linear` (MKL, what a model without packing runs).
 
@@ -30,8 +30,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.dtypes import torch_dtype
-from kernels.cpu_bf16_matmul import Bf16MatmulWeight
-from kernels.cpu_f32_matmul import F32MatmulWeight
+from kernels.cpu.bf16_matmul import Bf16MatmulWeight
+from kernels.cpu.f32_matmul import F32MatmulWeight
 from scripts.bench_common import (
     RESULTS_DIR,
     default_num_threads,

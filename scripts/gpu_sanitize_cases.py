@@ -26,8 +26,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch
 
-from kernels import AttentionMetadata, cuda_backend, torch_reference
-from kernels.module_loader import default_loader
+from kernels import AttentionMetadata, torch_reference
+from kernels.cuda import backend as cuda_backend
+from kernels.cuda.module_loader import default_loader
 
 BLOCK_SIZE = 16
 # (seq_lens, query lens) of the batches: two decodes, a prompt and a chunk over a context;

@@ -3,8 +3,8 @@
     python -m scripts.kernels_static [--head-dims 64,128] [--jobs 2] [--output-dir DIR] [--quick]
 
 No GPU needed. Every kernel configuration the launcher can pick is compiled and assembled
-(`kernels.kernel_resources`: registers, spills, shared memory, CTAs per SM), and each decode
-kernel's key loop is read from its SASS (`kernels.sass_analysis`: instructions per 4 KB of K+V),
+(`tools.kernel_resources`: registers, spills, shared memory, CTAs per SM), and each decode
+kernel's key loop is read from its SASS (`tools.sass_analysis`: instructions per 4 KB of K+V),
 beside the targets of the kernels issue.
 
 nvdisasm comes from the `nvidia-cuda-nvdisasm` wheel (`pip install nvidia-cuda-nvdisasm`), the
@@ -26,8 +26,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import launch_config as lc
-from kernels.kernel_resources import (
+from kernels.cuda import launch_config as lc
+from kernels.cuda.occupancy import MAX_REGISTERS_PER_THREAD, ctas_per_sm
+from scripts.bench_common import (
+    RESULTS_DIR,
+    machine_info,
+    markdown_table,
+    result_name,
+    usable_cpu_ids,
+    write_results,
+)
+from tools.kernel_resources import (
     ARCH,
     DECODE_SOURCE,
     DEFAULT_HEAD_DIMS,
@@ -43,21 +52,12 @@ from kernels.kernel_resources import (
     run_tool,
     shared_limit_bytes,
 )
-from kernels.occupancy import MAX_REGISTERS_PER_THREAD, ctas_per_sm
-from kernels.sass_analysis import (
+from tools.sass_analysis import (
     SassFunction,
     decode_loop_cost,
     decode_tc_keys,
     find_key_loop,
     parse_sass,
-)
-from scripts.bench_common import (
-    RESULTS_DIR,
-    machine_info,
-    markdown_table,
-    result_name,
-    usable_cpu_ids,
-    write_results,
 )
 
 # The budget a copy-speed decode has: a whole H100/H200 issues at most one warp instruction per

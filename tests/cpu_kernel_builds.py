@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import cpu_kernel_loader
-from kernels.cpu_backend import CpuAttentionCapabilities, attention_capabilities
+from kernels.cpu import kernel_loader as cpu_kernel_loader
+from kernels.cpu.backend import CpuAttentionCapabilities, attention_capabilities
 from worker.cpu_features import host_cpu_flags, simd_level
 
 # The attention shape the builds' capabilities are given for: 6 query heads over 2 KV heads
@@ -38,8 +38,8 @@ class KernelBuild:
     narrowing_flags: tuple[str, ...]  # after COMPILE_FLAGS: this build on a CPU of a wider one
     target_flags: tuple[str, ...]  # after COMPILE_FLAGS: this build from any x86-64 host
     attention: CpuAttentionCapabilities  # what it reports for ATTENTION_SHAPE
-    f32_matmul_panel_columns: int  # 0: no cpu_f32_matmul.c
-    bf16_matmul_tile_columns: int  # 0: no cpu_bf16_matmul.c
+    f32_matmul_panel_columns: int  # 0: no f32_matmul.c
+    bf16_matmul_tile_columns: int  # 0: no bf16_matmul.c
 
     @property
     def readings(self) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
-"""Run the real `kernels/*.cu` sources on the CPU, for tests on machines without a GPU.
+"""Run the real `kernels/cuda/*.cu` sources on the CPU, for tests on machines without a GPU.
 
-`EmulatedLoader` is a drop-in for `kernels.module_loader.ModuleLoader`: `get_kernel` compiles
+`EmulatedLoader` is a drop-in for `kernels.cuda.module_loader.ModuleLoader`: `get_kernel` compiles
 one kernel instance as host C++ (g++) against `cuda_cpu_emulator.h` and returns an
 `EmulatedKernel`, callable like a `cupy.RawKernel` with `(grid, block, args, shared_mem=...)`.
 Pointer arguments are host addresses, so the tensors are CPU tensors. Every call checks the
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from kernels.cpu_kernel_loader import compile_shared_library
-from kernels.module_loader import KERNEL_DIR, load_source
+from kernels.cpu.kernel_loader import compile_shared_library
+from kernels.cuda.module_loader import KERNEL_DIR, load_source
 
 HEADER = Path(__file__).resolve().with_name("cuda_cpu_emulator.h")
 TAIL_HEADER = Path(__file__).resolve().with_name("cuda_cpu_emulator_tail.h")
@@ -103,7 +103,7 @@ def rewrite_shared_declarations(source: str) -> str:
 def translation_unit(source_name: str, name_expression: str, source_dir: Path = KERNEL_DIR) -> str:
     """Host C++ for one kernel instance: emulator headers, kernel source, entry points."""
     source = rewrite_shared_declarations(load_source(source_name, source_dir))
-    # The tail emulates instructions (MMA) declared by cuda_common.cuh, so only its users get it.
+    # The tail emulates instructions (MMA) declared by common.cuh, so only its users get it.
     tail = f'#include "{TAIL_HEADER}"\n' if "host_mma_m16n8k16" in source else ""
     return (
         f'#include "{HEADER}"\n{source}\n{tail}'

@@ -2,7 +2,7 @@
 // the source's own helpers (fp16 conversion). See cuda_cpu_emulator.h.
 #pragma once
 
-// mma.sync.m16n8k16 with fp32 accumulators, fragment layout as documented in cuda_common.cuh:
+// mma.sync.m16n8k16 with fp32 accumulators, fragment layout as documented in common.cuh:
 // every lane publishes its A and B registers (one warp exchange), then computes its own four D
 // elements from the published registers of the whole warp.
 __host__ __device__ void host_mma_m16n8k16(float* d, const unsigned int* a, const unsigned int* b,
@@ -36,9 +36,9 @@ __host__ __device__ void host_mma_m16n8k16(float* d, const unsigned int* a, cons
   }
 }
 
-// ---- ldmatrix and cp.async (kernels/cuda_async_copy.cuh) ---------------------------------------
+// ---- ldmatrix and cp.async (kernels/cuda/async_copy.cuh) ---------------------------------------
 // Plain unsigned long long addresses (SharedAddress on the host), so this compiles for every
-// kernel, including the ones that do not include cuda_async_copy.cuh.
+// kernel, including the ones that do not include async_copy.cuh.
 
 namespace emu_async {
 

@@ -1,7 +1,7 @@
 """Reusable model helpers for tests: reference HF folders, tiny random models, paged inputs.
 
 - `converted_default_model_folder()`: the default SmolLM2 GGUF as a transformers-loadable HF
-  folder (`worker.reference_model`, shared with the benchmarks).
+  folder (`tools.reference_model`, shared with the benchmarks).
 - `build_tiny_model_folder(folder, variant)`: small random-weight HF folders, one per variant
   in TINY_VARIANTS, written with transformers' `save_pretrained` plus a byte-level tokenizer.
 - `hf_greedy`: transformers' greedy tokens with its own KV cache, the parity reference.

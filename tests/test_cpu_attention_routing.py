@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from kernels import cpu_backend
+from kernels.cpu import backend as cpu_backend
 from tests.cpu_kernel_builds import (
     ATTENTION_SHAPE,
     AVX2,

@@ -17,7 +17,9 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_backend, cpu_kernel_loader, select_backend, torch_reference
+from kernels import select_backend, torch_reference
+from kernels.cpu import backend as cpu_backend
+from kernels.cpu import kernel_loader as cpu_kernel_loader
 from tests.cpu_kernel_builds import AVX512_BF16, KERNEL_BUILDS, kernel_library, requires_cpu_flags
 from tests.paged_attention_cases import make_case, naive_attention
 from worker.cpu_features import host_cpu_flags
@@ -230,7 +232,7 @@ def test_bfloat16_fast_path_shapes_match_naive(monkeypatch, block_size, head_dim
     assert_matches_naive(case, out, atol=ATOL_BF16)
 
 
-@requires_cpu_flags(*AVX512_BF16.cpu_flags, kernel="bf16 fast path of cpu_paged_attention.c")
+@requires_cpu_flags(*AVX512_BF16.cpu_flags, kernel="bf16 fast path of paged_attention.c")
 def test_bfloat16_fast_path_takes_every_query_in_tiles(monkeypatch, tmp_path_factory):
     """Prompts of several tiles, a prompt of one, a decode and a request without query
     tokens, all on the fast path (its plan: test_cpu_attention_routing.py)."""
@@ -276,7 +278,7 @@ def test_float16_cache_runs_the_reference():
             build,
             id=build.name,
             marks=requires_cpu_flags(
-                *build.cpu_flags, kernel=f"{build.name} build of cpu_paged_attention.c"
+                *build.cpu_flags, kernel=f"{build.name} build of paged_attention.c"
             ),
         )
         for build in KERNEL_BUILDS

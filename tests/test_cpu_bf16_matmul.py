@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernel_loader
-from kernels.cpu_bf16_matmul import Bf16MatmulWeight
+from kernels.cpu import kernel_loader as cpu_kernel_loader
+from kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from tests.cpu_kernel_builds import (
     AVX512_BF16,
     assert_float32_sums,
@@ -24,7 +24,7 @@ from tests.cpu_kernel_builds import (
 from worker.cpu_linear import pack_linears
 from worker.layers import ColumnParallelLinear, ParallelLMHead
 
-pytestmark = requires_cpu_flags(*AVX512_BF16.cpu_flags, kernel="cpu_bf16_matmul.c")
+pytestmark = requires_cpu_flags(*AVX512_BF16.cpu_flags, kernel="bf16_matmul.c")
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernel_loader
-from kernels.cpu_f32_matmul import F32MatmulWeight
+from kernels.cpu import kernel_loader as cpu_kernel_loader
+from kernels.cpu.f32_matmul import F32MatmulWeight
 from tests.cpu_kernel_builds import AVX2, assert_float32_sums, kernel_library, requires_cpu_flags
 from worker.cpu_linear import pack_linears
 from worker.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
-pytestmark = requires_cpu_flags(*AVX2.cpu_flags, kernel="cpu_f32_matmul.c")
+pytestmark = requires_cpu_flags(*AVX2.cpu_flags, kernel="f32_matmul.c")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused_ops, cpu_kernel_loader
+from kernels.cpu import fused_ops as cpu_fused_ops
+from kernels.cpu import kernel_loader as cpu_kernel_loader
 from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, apply_rotary_qk
 
 pytestmark = pytest.mark.skipif(

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from kernels import cpu_kernel_loader
+from kernels.cpu import kernel_loader as cpu_kernel_loader
 from tests.cpu_kernel_builds import (
     ATTENTION_SHAPE,
     AVX2,
@@ -115,16 +115,16 @@ def test_host_build_follows_the_cpu_flags(flags, expected):
 
 def test_skip_reason_names_the_missing_flags_this_cpu_and_the_kernel():
     flags = ("avx2", "fma", "avx512f", "avx512_bf16")
-    kernel = "bf16 fast path of cpu_paged_attention.c"
+    kernel = "bf16 fast path of paged_attention.c"
     assert missing_flags_reason(flags, kernel, AVX2_ONLY) == (
-        "needs avx512f avx512_bf16 (this CPU: AVX2): bf16 fast path of cpu_paged_attention.c"
+        "needs avx512f avx512_bf16 (this CPU: AVX2): bf16 fast path of paged_attention.c"
     )
     assert missing_flags_reason(flags, kernel, AVX2_ONLY | {"avx512f", "avx512_bf16"}) is None
     assert missing_flags_reason((), kernel, frozenset()) is None
 
 
 def test_summary_lists_skipped_kernel_tests_by_reason():
-    bf16 = "needs avx512_bf16 (this CPU: AVX2): cpu_bf16_matmul.c"
+    bf16 = "needs avx512_bf16 (this CPU: AVX2): bf16_matmul.c"
     skipped = [
         ("tests/a.py::test_tails[1-2]", bf16),
         ("tests/a.py::test_tails[3-4]", bf16),

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_kernel_loader
-from kernels.cpu_bf16_matmul import Bf16MatmulWeight
-from kernels.cpu_f32_matmul import F32MatmulWeight
+from kernels.cpu import kernel_loader as cpu_kernel_loader
+from kernels.cpu.bf16_matmul import Bf16MatmulWeight
+from kernels.cpu.f32_matmul import F32MatmulWeight
 from worker.cpu_linear import (
     CpuLinearCapabilities,
     LinearKernel,
@@ -154,7 +154,7 @@ def test_packing_follows_the_capabilities_it_is_given():
     assert model.down.weight is not None and not model.down.is_packed
     cpu_kernel_loader.set_enabled(False)
     try:
-        with pytest.raises(RuntimeError, match="cpu_f32_matmul.c was chosen .* not built"):
+        with pytest.raises(RuntimeError, match="f32_matmul.c was chosen .* not built"):
             model.down.pack(False, CPUS["avx2"])
     finally:
         cpu_kernel_loader.set_enabled(True)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.module_loader import KERNEL_DIR
+from kernels.cuda.module_loader import KERNEL_DIR
 from tests.cuda_cpu_emulator import (
     EmulatedKernel,
     EmulatedLoader,
@@ -199,9 +199,9 @@ def test_a_barrier_some_threads_skip_is_a_fault(probes):
         probes("divergent_barrier")((1, 1, 1), (64, 1, 1), (ptr(out),))
 
 
-# ldmatrix and cp.async (kernels/cuda_async_copy.cuh), emulated in tests/cuda_cpu_emulator_tail.h.
+# ldmatrix and cp.async (kernels/cuda/async_copy.cuh), emulated in tests/cuda_cpu_emulator_tail.h.
 ASYNC_PROBES = r"""
-#include "cuda_async_copy.cuh"
+#include "async_copy.cuh"
 
 // Lane l of each warp gives the address of row l of `in` ([32][row_stride] 16-bit values, staged
 // in shared memory), so matrix m is rows 8m..8m+7, columns 0..7. out[thread][m] = regs[m].
@@ -260,7 +260,7 @@ extern "C" __global__ void cp_async_probe(const float* in, float* out, int waits
 def async_probes(tmp_path_factory):
     source_dir = tmp_path_factory.mktemp("async_probes")
     (source_dir / "async_probes.cu").write_text(ASYNC_PROBES)
-    for header in ("cuda_async_copy.cuh", "cuda_common.cuh"):
+    for header in ("async_copy.cuh", "common.cuh"):
         shutil.copy(KERNEL_DIR / header, source_dir / header)
 
     def get(name: str, seed: int = 0) -> EmulatedKernel:

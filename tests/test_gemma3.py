@@ -6,7 +6,7 @@ Gemma 3 mask function; the GGUF tokenizer token for token against transformers' 
 the same file; greedy generation token for token against transformers' Gemma3ForCausalLM in
 float32. transformers here cannot load the GGUF directly (it wants `accelerate`), so the
 reference is transformers' own conversion of the file to an HF folder
-(`worker.reference_model.converted_gguf_folder`), as for the default model.
+(`tools.reference_model.converted_gguf_folder`), as for the default model.
 
 Tests that need the model skip (with the pip command) when the package is not installed.
 """
@@ -20,8 +20,9 @@ import torch
 from common.gguf_file import GGUFFile
 from common.model_files import gemma3_270m_model_path, model_cache_dir, resolve_model_path
 from core.in_process_engine import GenerationOutput
-from kernels import cpu_backend, torch_reference, write_kv_and_attend
+from kernels import torch_reference, write_kv_and_attend
 from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu import backend as cpu_backend
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids, in_process_engine
@@ -270,7 +271,7 @@ def test_locator_caches_the_assembled_file_and_then_needs_no_import(gguf_path, m
 @pytest.fixture(scope="module")
 def hf_folder(gguf_path):
     pytest.importorskip("transformers")
-    from worker.reference_model import converted_gguf_folder
+    from tools.reference_model import converted_gguf_folder
 
     return converted_gguf_folder(gguf_path)
 

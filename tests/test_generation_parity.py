@@ -2,7 +2,7 @@
 
 The engine (core Scheduler + Worker in one process, scripts.generate) runs all prompts as one
 continuously batched workload; transformers generates each prompt alone from the same GGUF
-converted by its own code (worker.reference_model). Small token budgets (chunked prompts), a KV
+converted by its own code (tools.reference_model). Small token budgets (chunked prompts), a KV
 pool small enough to force preemption, and prefix-cache hits must all give the same tokens.
 """
 
@@ -16,7 +16,7 @@ from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids
 from tests.model_fixtures import hf_greedy
-from worker.reference_model import converted_default_model_folder
+from tools.reference_model import converted_default_model_folder
 from worker.worker import Worker
 
 pytestmark = pytest.mark.slow

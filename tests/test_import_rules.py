@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS = ("common", "proto", "core", "worker", "kernels", "frontend", "scripts", "tests")
+OURS = ("common", "proto", "core", "worker", "kernels", "frontend", "tools", "scripts", "tests")
 # Package -> the packages of ours it may import (itself included).
 ALLOWED = {
     "common": {"common"},
@@ -25,11 +25,17 @@ ALLOWED = {
     "worker": {"common", "proto", "kernels", "worker"},
     "kernels": {"common", "kernels"},
     "frontend": {"common", "proto", "frontend"},
-    # Benchmarks and tools use the engine, never the tests' helpers.
-    "scripts": {"common", "proto", "core", "worker", "kernels", "frontend", "scripts"},
-    # Tests use the engine, never a script as a library.
-    "tests": {"common", "proto", "core", "worker", "kernels", "frontend", "tests"},
+    # Tooling for tests and benchmarks only (kernel resource and SASS analysis, the transformers
+    # reference model): it may use the engine, the engine never uses it, and it is not shipped.
+    "tools": {"common", "proto", "worker", "kernels", "tools"},
+    # Benchmarks use the engine and the tooling, never the tests' helpers.
+    "scripts": {"common", "proto", "core", "worker", "kernels", "frontend", "tools", "scripts"},
+    # Tests use the engine and the tooling, never a script as a library.
+    "tests": {"common", "proto", "core", "worker", "kernels", "frontend", "tools", "tests"},
 }
+# Device subpackages of kernels/ that must not import each other: the CPU path loads no CuPy
+# or NVRTC code, the CUDA path no C kernel loader.
+SEPARATE_KERNEL_PACKAGES = ("kernels.cpu", "kernels.cuda")
 # Test modules whose subject is the scripts themselves.
 SCRIPT_TESTS = {"test_benchmarks.py"}
 # Third-party packages a package must not import at module level.
@@ -72,6 +78,45 @@ def violations(package: str) -> list[str]:
 def test_package_imports_only_what_the_architecture_allows(package):
     assert (ROOT / package).is_dir()
     assert violations(package) == []
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    """Full absolute module names `tree` imports (`from a.b import c` gives a.b and a.b.c)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def kernel_package_violations() -> list[str]:
+    found = []
+    for package in SEPARATE_KERNEL_PACKAGES:
+        others = [p for p in SEPARATE_KERNEL_PACKAGES if p != package]
+        folder = ROOT.joinpath(*package.split("."))
+        for path in sorted(folder.rglob("*.py")):
+            for module in sorted(imported_modules(ast.parse(path.read_text(), str(path)))):
+                if any(module == o or module.startswith(o + ".") for o in others):
+                    found.append(f"{path.relative_to(ROOT)} imports {module}")
+    return found
+
+
+def test_cpu_and_cuda_kernels_do_not_import_each_other():
+    assert kernel_package_violations() == []
+
+
+def test_kernel_package_checker_sees_a_cross_import():
+    tree = ast.parse("from kernels.cuda import backend\nimport kernels.cpu.kernel_loader\n")
+    assert {"kernels.cuda.backend", "kernels.cpu.kernel_loader"} <= imported_modules(tree)
+
+
+def test_tooling_is_not_shipped():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    include_line = next(line for line in pyproject.splitlines() if line.startswith("include = "))
+    assert "tools" not in include_line and '"kernels*"' in include_line
 
 
 def test_checker_sees_a_forbidden_import():

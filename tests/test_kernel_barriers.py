@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cuda_backend
-from kernels import launch_config as lc
-from kernels.module_loader import KERNEL_DIR, load_source
+from kernels.cuda import backend as cuda_backend
+from kernels.cuda import launch_config as lc
+from kernels.cuda.module_loader import KERNEL_DIR, load_source
 from tests.cuda_cpu_emulator import (
     EmulatedLoader,
     EmulatorFault,

@@ -2,7 +2,7 @@
 with no spills, at most 255 registers, shared memory within the limits the launcher opts into, and
 the occupancy the code assumes.
 
-The configurations come from `kernels.launch_config`'s own launch functions
+The configurations come from `kernels.cuda.launch_config`'s own launch functions
 (`scripts.kernels_static.enumerate_configs`), so a new one is covered automatically. They are
 compiled once per session (nvcc -ptx as NVRTC would, then ptxas -v), in parallel batches; the
 parsers of the static report (ptxas log, PTX directives, symbol names, SASS key loop) are tested
@@ -16,11 +16,11 @@ import shutil
 
 import pytest
 
-from kernels import kernel_resources as kr
-from kernels import launch_config as lc
-from kernels import occupancy
-from kernels import sass_analysis as sa
-from kernels.module_loader import KERNEL_DIR
+from kernels.cuda import launch_config as lc
+from kernels.cuda import occupancy
+from kernels.cuda.module_loader import KERNEL_DIR
+from tools import kernel_resources as kr
+from tools import sass_analysis as sa
 
 CONFIGS = kr.enumerate_configs()
 needs_compiler = pytest.mark.skipif(

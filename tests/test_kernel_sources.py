@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import launch_config as lc
-from kernels.module_loader import KERNEL_DIR, NVRTC_OPTIONS, load_source
+from kernels.cuda import launch_config as lc
+from kernels.cuda.module_loader import KERNEL_DIR, NVRTC_OPTIONS, load_source
 
 SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
 HEADERS = sorted(p.name for p in KERNEL_DIR.glob("*.cuh"))

@@ -1,6 +1,6 @@
 """The CUDA backend end to end on the CPU: the real `.cu` kernels run in the CPU emulator.
 
-`kernels.cuda_backend` is used unchanged except for three seams: the module loader compiles
+`kernels.cuda.backend` is used unchanged except for three seams: the module loader compiles
 kernels as host C++ (tests/cuda_cpu_emulator.py), launches skip CuPy and streams, and the
 device reports 4 SMs so that small batches take the split-KV path. Every launch checks the
 argument packing against the kernel's parameter sizes. This covers the kernels' logic, the
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from common.dtypes import dtype_name
-from kernels import attention, cuda_backend, torch_reference
-from kernels import launch_config as lc
-from kernels.warmup import warmup
+from kernels import attention, torch_reference
+from kernels.cuda import backend as cuda_backend
+from kernels.cuda import launch_config as lc
+from kernels.cuda.warmup import warmup
 from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
 from tests.paged_attention_cases import (
     assert_close_to_reference,

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from common.dtypes import dtype_name
-from kernels import cuda_backend, select_backend, torch_reference, write_kv_and_attend
-from kernels import launch_config as lc
-from kernels.module_loader import default_loader
-from kernels.warmup import warmup
+from kernels import select_backend, torch_reference, write_kv_and_attend
+from kernels.cuda import backend as cuda_backend
+from kernels.cuda import launch_config as lc
+from kernels.cuda.module_loader import default_loader
+from kernels.cuda.warmup import warmup
 from tests.paged_attention_cases import (
     assert_close_to_reference,
     assert_matches_torch_reference,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.math_utils import cdiv
-from kernels import launch_config as lc
+from kernels.cuda import launch_config as lc
 
 H100_SMS = 132
 

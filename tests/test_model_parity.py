@@ -22,8 +22,8 @@ from tests.model_fixtures import (
     scattered_block_ids,
     write_gguf_from_transformers_model,
 )
+from tools.reference_model import converted_default_model_folder
 from worker.model_loader import load_model
-from worker.reference_model import converted_default_model_folder
 
 MAX_ABS_DIFF = 1e-3
 GGUF_ARCH_TO_ARCHITECTURE = {

@@ -19,7 +19,7 @@ from tests.model_fixtures import (
     build_tiny_model_folder,
     write_byte_level_tokenizer,
 )
-from worker.reference_model import converted_default_model_folder
+from tools.reference_model import converted_default_model_folder
 
 CORPUS = (
     "",

@@ -10,13 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (
-    cpu_backend,
-    cuda_backend,
-    select_backend,
-    torch_reference,
-    write_kv_and_attend,
-)
+from kernels import select_backend, torch_reference, write_kv_and_attend
+from kernels.cpu import backend as cpu_backend
+from kernels.cuda import backend as cuda_backend
 from tests.paged_attention_cases import make_case, naive_attention, write_new_tokens
 
 ATOL_FP32 = 1e-5

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import worker.model_loader
-from kernels import cpu_backend, cpu_kernel_loader
+from kernels.cpu import backend as cpu_backend
+from kernels.cpu import kernel_loader as cpu_kernel_loader
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids

@@ -9,9 +9,9 @@ linears). The blocked copy replaces the dense weight: it is the only copy kept.
 Packing applies to float32 wherever torch has oneDNN, and to bfloat16/float16 only where
 oneDNN says the CPU runs them (AVX-512 or AMX); elsewhere layers keep `F.linear`. Two weights
 go to the project's own kernels instead, where they are built: a bf16 weight on a CPU with
-AVX512_BF16 (`kernels.cpu_bf16_matmul`: faster than oneDNN at decode batch sizes, and able to
+AVX512_BF16 (`kernels.cpu.bf16_matmul`: faster than oneDNN at decode batch sizes, and able to
 output float32, which the LM head needs), and a float32 weight on an AVX2 CPU without AVX-512
-(`kernels.cpu_f32_matmul`: faster than oneDNN at every batch size there).
+(`kernels.cpu.f32_matmul`: faster than oneDNN at every batch size there).
 
 `choose_kernel` makes that choice from a `CpuLinearCapabilities`, all it asks of the machine:
 the same code on every CPU, tested with the capabilities of each kind.
@@ -25,16 +25,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import cpu_bf16_matmul, cpu_f32_matmul
-from kernels.cpu_bf16_matmul import Bf16MatmulWeight
-from kernels.cpu_f32_matmul import F32MatmulWeight
+from kernels.cpu import bf16_matmul as cpu_bf16_matmul
+from kernels.cpu import f32_matmul as cpu_f32_matmul
+from kernels.cpu.bf16_matmul import Bf16MatmulWeight
+from kernels.cpu.f32_matmul import F32MatmulWeight
 
 
 class LinearKernel(enum.Enum):
     """What a CPU linear's matmul runs on."""
 
-    BF16_MATMUL = "kernels/cpu_bf16_matmul.c"
-    F32_MATMUL = "kernels/cpu_f32_matmul.c"
+    BF16_MATMUL = "kernels/cpu/bf16_matmul.c"
+    F32_MATMUL = "kernels/cpu/f32_matmul.c"
     ONEDNN = "oneDNN on the blocked weight"
     DENSE = "F.linear on the dense weight (not packed)"
 
@@ -45,8 +46,8 @@ class CpuLinearCapabilities:
     holds, and the weight dtypes oneDNN computes in. `read` gets them; tests build them for
     each kind of CPU."""
 
-    has_bf16_matmul: bool  # cpu_bf16_matmul.c is built (AVX512_BF16)
-    has_f32_matmul: bool  # cpu_f32_matmul.c is built (AVX2 + FMA without AVX-512)
+    has_bf16_matmul: bool  # bf16_matmul.c is built (AVX512_BF16)
+    has_f32_matmul: bool  # f32_matmul.c is built (AVX2 + FMA without AVX-512)
     onednn_dtypes: frozenset[torch.dtype]
 
     @staticmethod

@@ -9,7 +9,7 @@ torch.distributed process group that `worker.parallel_state.init_distributed` jo
 
 Numerics follow transformers' Llama (norm in float32, RoPE angles in float32, same operation
 order), so logits match it to float32 rounding. On a CPU with the C kernels built, the residual
-add + norm, RoPE and SiLU-and-mul run fused (`kernels.cpu_fused_ops`): float32 inside, one
+add + norm, RoPE and SiLU-and-mul run fused (`kernels.cpu.fused_ops`): float32 inside, one
 rounding of a bf16 result, so they differ from the torch ops by a few float32 ulps.
 """
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.math_utils import cdiv
-from kernels import cpu_fused_ops
+from kernels.cpu import fused_ops as cpu_fused_ops
 from worker.cpu_linear import PackableLinear
 from worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_all_reduce
 
@@ -464,7 +464,7 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     Packed for a CPU, it computes float32 logits whatever the model's dtype: bf16 logits are
     rounded to steps of 1/16 to 1/8 at typical magnitudes, enough to flip greedy choices
     (tests/test_bf16_accuracy.py checks greedy agreement with float32).
-    A bf16 weight on a CPU with AVX512_BF16 runs on `kernels.cpu_bf16_matmul` with float32
+    A bf16 weight on a CPU with AVX512_BF16 runs on `kernels.cpu.bf16_matmul` with float32
     output (the float32 logits of the bf16 operands, at bf16 speed); any other is packed for
     oneDNN in float32.
     """

@@ -10,8 +10,8 @@ import torch
 from common.dtypes import DTYPE_NAMES, torch_dtype
 from common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
 from common.math_utils import cdiv
-from kernels import cpu_kernel_loader
-from kernels.warmup import warmup
+from kernels.cpu import kernel_loader as cpu_kernel_loader
+from kernels.cuda.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput
 from proto.engine_config import DEVICES
 from worker.cpu_features import default_cpu_dtype

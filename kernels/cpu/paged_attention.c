@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_scalar_math.h"
+#include "scalar_math.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

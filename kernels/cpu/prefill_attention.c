@@ -1,6 +1,6 @@
 // Prefill attention on CPU for long queries over a float32 paged cache, with AVX2 and FMA: the
 // prompts (and long chunks) of a float32 model on CPUs without AVX-512, where attention over
-// hundreds of keys is matmul work and the decode kernel's dot products (cpu_paged_attention.c)
+// hundreds of keys is matmul work and the decode kernel's dot products (paged_attention.c)
 // would leave most of the FMA units idle.
 //
 // Flash-attention order, one work item per (request, tile of query tokens, KV head): the
@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_scalar_math.h"
+#include "scalar_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define PREFILL_ATTENTION_BUILT 1
@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void tile(const float* a, int64_t a
 }
 
 // out [rows, columns] (=|+=) a [rows, k] b [k, columns]; columns a multiple of 16; rows split
-// evenly over tiles of at most 6 (see cpu_f32_matmul.c).
+// evenly over tiles of at most 6 (see f32_matmul.c).
 static void matmul(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int32_t k,
                    float* out, int64_t out_stride, int32_t rows, int32_t columns,
                    int accumulate) {

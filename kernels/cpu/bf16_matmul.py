@@ -1,4 +1,4 @@
-"""bf16 x bf16 matmuls on CPU through `cpu_bf16_matmul.c` (AVX512_BF16), float32 sums.
+"""bf16 x bf16 matmuls on CPU through `bf16_matmul.c` (AVX512_BF16), float32 sums.
 
 The output is rounded once to bf16 (a bf16 model's linears: the numbers oneDNN's bf16 linear
 gives, up to summation order, faster at decode batch sizes) or kept in
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from common.math_utils import round_up
-from kernels import cpu_kernel_loader
+from kernels.cpu import kernel_loader as cpu_kernel_loader
 
 PAIR_LANES = 16  # output columns per 64-byte vector of packed pairs
 OUTPUT_DTYPES = (torch.bfloat16, torch.float32)

@@ -3,8 +3,8 @@
 Same functions and contracts as `kernels/torch_reference.py`. Requests with at most
 SHORT_QUERY_MAX_TOKENS query tokens (decodes, small chunks), more on AVX2 with a float32
 cache, and every request where the kernel's bf16 fast path applies, go to
-`cpu_paged_attention.c`, which reads K/V straight from the paged cache: no gather copy, no
-padding to a chunk's longest request. Where `cpu_prefill_attention.c` is built (AVX2 without
+`paged_attention.c`, which reads K/V straight from the paged cache: no gather copy, no
+padding to a chunk's longest request. Where `prefill_attention.c` is built (AVX2 without
 AVX-512) and the cache is float32, longer queries go to it (flash-attention order on matmul
 tiles, again straight from the paged cache); elsewhere they are matmul-bound and stay on
 SDPA's fused kernel. The decode kernel reads float32 or bfloat16 caches (queries and sums in
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_kernel_loader, torch_reference
+from kernels import torch_reference
 from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu import kernel_loader as cpu_kernel_loader
 
 # Above this many query tokens (more than a decode or a small chunk) a request is faster
 # through SDPA's blocked matmuls.
@@ -134,9 +135,9 @@ class _CpuPlan:
     """One step's split (short requests for the kernel, long ones for the prefill kernel or
     SDPA) and the int32 contiguous metadata the kernels read, built once for all layers."""
 
-    short_requests: torch.Tensor  # int32 [S]: item indices for cpu_paged_attention.c
+    short_requests: torch.Tensor  # int32 [S]: item indices for paged_attention.c
     max_query_x_seq_len: int  # max over the short requests of q_len * seq_len
-    prefill_requests: torch.Tensor  # int32 [P]: item indices for cpu_prefill_attention.c
+    prefill_requests: torch.Tensor  # int32 [P]: item indices for prefill_attention.c
     long_requests: list[torch_reference.PrefillRequest]  # for SDPA
     block_table: torch.Tensor  # int32 [B, max_blocks]
     seq_lens: torch.Tensor  # int32 [B]

@@ -1,4 +1,4 @@
-"""float32 matmuls on CPU through `cpu_f32_matmul.c` (AVX2 + FMA, no AVX-512).
+"""float32 matmuls on CPU through `f32_matmul.c` (AVX2 + FMA, no AVX-512).
 
 The CPU worker's float32 linears and LM head run on it where it is built: faster than oneDNN
 at every batch size on an AVX2 CPU (benchmarks/results/avx2/linears.md), and without
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from common.math_utils import round_up
-from kernels import cpu_kernel_loader
+from kernels.cpu import kernel_loader as cpu_kernel_loader
 
 ALIGNMENT_BYTES = 64  # the kernel's aligned loads need 32; torch's CPU allocator gives 64
 

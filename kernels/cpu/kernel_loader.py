@@ -1,10 +1,10 @@
 """Builds the C kernels of the CPU worker with the system compiler, once per machine.
 
-One shared library holds them all: paged attention (`cpu_paged_attention.c`, and
-`cpu_prefill_attention.c` for long queries over a float32 cache on AVX2), the fused
-elementwise ops of a decoder layer (`cpu_fused_ops.c`), the bf16 matmul of a bf16
-model's linears and LM head (`cpu_bf16_matmul.c`) and the float32 matmul of a float32 model's
-on CPUs without AVX-512 (`cpu_f32_matmul.c`). It is compiled with `-march=native`,
+One shared library holds them all: paged attention (`paged_attention.c`, and
+`prefill_attention.c` for long queries over a float32 cache on AVX2), the fused
+elementwise ops of a decoder layer (`fused_ops.c`), the bf16 matmul of a bf16
+model's linears and LM head (`bf16_matmul.c`) and the float32 matmul of a float32 model's
+on CPUs without AVX-512 (`f32_matmul.c`). It is compiled with `-march=native`,
 so it is cached under a key made of the sources' text, the compile command, the compiler's
 version and this CPU's model and flags:
 a cache directory shared by different machines never hands one a library built for another.
@@ -34,14 +34,14 @@ KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = tuple(
     KERNEL_DIR / name
     for name in (
-        "cpu_paged_attention.c",
-        "cpu_prefill_attention.c",
-        "cpu_fused_ops.c",
-        "cpu_bf16_matmul.c",
-        "cpu_f32_matmul.c",
+        "paged_attention.c",
+        "prefill_attention.c",
+        "fused_ops.c",
+        "bf16_matmul.c",
+        "f32_matmul.c",
     )
 )
-HEADERS = (KERNEL_DIR / "cpu_scalar_math.h",)
+HEADERS = (KERNEL_DIR / "scalar_math.h",)
 LIBRARY_NAME = "cpu_kernels"
 # -fno-trapping-math: no kernel unmasks floating-point exceptions, and without it GCC will not
 # if-convert the clamps and selects of exp/SiLU on AVX2 (no masked loads), leaving those loops

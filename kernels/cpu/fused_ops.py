@@ -1,4 +1,4 @@
-"""The elementwise ops of a decoder layer through the C kernels of `cpu_fused_ops.c`.
+"""The elementwise ops of a decoder layer through the C kernels of `fused_ops.c`.
 
 Each op does in one pass over its rows what the torch code in `worker/layers.py` does in
 several (temporaries, dtype conversions, a `cat`), computing in float32 and rounding a bf16
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_kernel_loader
+from kernels.cpu import kernel_loader as cpu_kernel_loader
 
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -15,7 +15,7 @@
 // Thread layout (256 threads): ty = tid / 8 owns rows ty and ty + 32; tx = tid % 8 owns score
 // columns tx + 8c (c < 4) and output dims 4 * tx + 32 * chunk.
 // With skip_single_token_queries set, requests with q_len == 1 are left to decode_attention.
-#include "cuda_common.cuh"
+#include "common.cuh"
 
 constexpr int kPrefillThreads = 256;
 constexpr int kPrefillRows = 64;

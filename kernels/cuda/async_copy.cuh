@@ -7,7 +7,7 @@
 // (chosen at random), so reading a destination before waiting sees NaN / stale data.
 #pragma once
 
-#include "cuda_common.cuh"
+#include "common.cuh"
 
 // A byte address in shared memory: 32 bits in the .shared window on the GPU (cheaper than a
 // generic pointer: one register, no conversion per access), the host pointer in the emulator.

@@ -51,8 +51,8 @@
 // of two. Shared memory: 2 stages x (K + V) x 64 rows x (HEAD_DIM + 8) x 2 bytes (36 KB at
 // head_dim 64, 68 KB at 128; 165 KB at 256 with Q's own buffer), mirrored by
 // launch_config.prefill_tc_shared_mem_bytes. HEAD_DIM must be a multiple of 16.
-#include "cuda_async_copy.cuh"
-#include "cuda_common.cuh"
+#include "async_copy.cuh"
+#include "common.cuh"
 
 constexpr int kTcThreads = 128;
 constexpr int kTcRows = 64;

@@ -8,7 +8,7 @@
 // outputs are normalized per split and their lse values are in the log2 domain:
 // out = sum_s 2^(lse_s - M) * out_s / sum_s 2^(lse_s - M), M = max_s lse_s.
 // A request with seq_len == 0 gets zeros. Requests whose query length is not 1 are skipped.
-#include "cuda_common.cuh"
+#include "common.cuh"
 
 template <typename T>
 __global__ void merge_attention_states(

@@ -14,7 +14,7 @@ import torch
 from common.math_utils import cdiv
 from kernels.attention import write_kv_and_attend
 from kernels.attention_metadata import AttentionMetadata
-from kernels.launch_config import SplitPolicy
+from kernels.cuda.launch_config import SplitPolicy
 
 # Long enough that a single request takes the split-KV path on any GPU.
 WARMUP_CONTEXT_LEN = 2 * SplitPolicy().min_keys_per_split

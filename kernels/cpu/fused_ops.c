@@ -11,7 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "cpu_scalar_math.h"
+#include "scalar_math.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
 #define WORTH_THREADS(num_threads, elements) \

@@ -1,4 +1,4 @@
-"""CUDA backend: the kernels in `kernels/*.cu`, compiled by NVRTC and launched through CuPy.
+"""CUDA backend: the kernels in `kernels/cuda/*.cu`, compiled by NVRTC and launched through CuPy.
 
 Same functions and signatures as `kernels/torch_reference.py`. Contracts:
 - Every launch goes to torch's current stream, read at each call, so kernels order with torch
@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from common.dtypes import DTYPE_NAMES, dtype_name
-from kernels import launch_config as lc
-from kernels import occupancy
 from kernels.attention_metadata import AttentionMetadata
-from kernels.module_loader import default_loader
+from kernels.cuda import launch_config as lc
+from kernels.cuda import occupancy
+from kernels.cuda.module_loader import default_loader
 
 LOG2E = 1.4426950408889634
 

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels import launch_config as lc
-from kernels.kernel_resources import DECODE_SOURCE
-from kernels.module_loader import KERNEL_DIR
+from kernels.cuda import launch_config as lc
+from kernels.cuda.module_loader import KERNEL_DIR
+from tools.kernel_resources import DECODE_SOURCE
 
 # ---- SASS: the decode key loop ------------------------------------------------------------------
 

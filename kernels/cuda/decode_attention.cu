@@ -31,7 +31,7 @@
 // and prefill kernels can both run over one mixed batch.
 // Block index of key pos: (mul_hi(pos, block_magic) + pos) >> block_shift, a round-up
 // fast-divide by block_size (block_magic = 0 and a plain shift for a power-of-two block size).
-#include "cuda_common.cuh"
+#include "common.cuh"
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
