@@ -1,4 +1,5 @@
-"""Every import rule of ARCHITECTURE.md, checked on the source (static) and at run time.
+"""Every import rule of the README's layout section, checked on the source (static) and at
+run time.
 
 Statically, every `import` in a package (at any depth, lazy ones included) may name only the
 packages of ours its row of the table allows. At run time, `core/`, `proto/` and `common/` load
@@ -117,6 +118,79 @@ def test_tooling_is_not_shipped():
     pyproject = (ROOT / "pyproject.toml").read_text()
     include_line = next(line for line in pyproject.splitlines() if line.startswith("include = "))
     assert "tools" not in include_line and '"kernels*"' in include_line
+
+
+PRODUCT_PACKAGES = ("common", "proto", "core", "worker", "kernels", "frontend")
+
+
+def product_modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the shipped packages."""
+    modules = {}
+    for package in PRODUCT_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def module_import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports, lazy imports included; `from pkg import sub`
+    counts as importing the submodule `pkg.sub` (not the package's __init__) when it is one."""
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names if alias.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+                imported.update(s for s in submodules if s in modules)
+                if not all(s in modules for s in submodules):
+                    imported.add(node.module)
+        graph[name] = imported - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that import each other in a circle (strongly connected
+    components of more than one module), each sorted."""
+    order: dict[str, int] = {}
+    lowest: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        order[module] = lowest[module] = len(order)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in order:
+                visit(imported)
+                lowest[module] = min(lowest[module], lowest[imported])
+            elif imported in stack:
+                lowest[module] = min(lowest[module], order[imported])
+        if lowest[module] == order[module]:
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_module_of_the_engine_imports_itself_in_a_circle():
+    assert import_cycles(module_import_graph(product_modules())) == []
+
+
+def test_cycle_finder_sees_a_circle_through_a_lazy_import():
+    graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}, "b": set()}
+    assert import_cycles(graph) == [["a.x", "a.y", "a.z"]]
+    tree = ast.parse("def f():\n    from worker.gguf_loader import gguf_model_config\n")
+    assert "worker.gguf_loader" in imported_modules(tree)
 
 
 def test_checker_sees_a_forbidden_import():

@@ -19,8 +19,8 @@ from worker.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from worker.model_config import load_model_config, model_config_from_dicts
-from worker.model_loader import load_model
+from worker.model_config import model_config_from_dicts
+from worker.model_loader import load_model, load_model_config
 
 CPU = torch.device("cpu")
 

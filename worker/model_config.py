@@ -16,7 +16,6 @@ from common.json_file import read_json
 from common.model_files import (
     GENERATION_CONFIG_FILE_NAME,
     HF_CONFIG_FILE_NAME,
-    is_gguf_file,
 )
 
 # Architecture (HF class name) -> model_type, for config.json files without "architectures".
@@ -139,17 +138,14 @@ class ModelConfig:
             )
 
 
-def load_model_config(path: Path) -> ModelConfig:
-    """Reads an HF folder (config.json [+ generation_config.json]) or a GGUF file's metadata.
+def load_hf_model_config(path: Path) -> ModelConfig:
+    """Reads an HF folder: config.json [+ generation_config.json]. (A GGUF file's config comes
+    from `worker.gguf_loader.gguf_model_config`; `worker.model_loader.load_model_config` takes
+    either.)
 
     Raises FileNotFoundError naming the missing file, ValueError for unsupported models.
     """
     path = Path(path)
-    if is_gguf_file(path):
-        from common.gguf_file import GGUFFile
-        from worker.gguf_loader import gguf_model_config
-
-        return gguf_model_config(GGUFFile(path))
     config_path = path / HF_CONFIG_FILE_NAME
     if not config_path.is_file():
         raise FileNotFoundError(

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from common.dtypes import dtype_name
+from common.gguf_file import GGUFFile
 from common.model_files import is_gguf_file
-from worker.model_config import ModelConfig, load_model_config
+from worker.gguf_loader import gguf_model_config, iter_gguf_weights
+from worker.model_config import ModelConfig, load_hf_model_config
 from worker.models import get_model_class
 
 # Checkpoint tensors with no parameter here (recomputed buffers).
@@ -48,16 +50,24 @@ def open_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.
     A GGUF file is opened once for both.
     """
     if is_gguf_file(path):
-        from common.gguf_file import GGUFFile
-        from worker.gguf_loader import gguf_model_config, iter_gguf_weights
-
         gguf_file = GGUFFile(path)
         config = gguf_model_config(gguf_file)
         return config, iter_gguf_weights(gguf_file, config)
     from worker.safetensors_loader import iter_safetensors_weights
 
-    config = load_model_config(path)
+    config = load_hf_model_config(path)
     return config, iter_safetensors_weights(path)
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """The config of a GGUF file (its metadata) or an HF folder (config.json), without weights.
+
+    Raises FileNotFoundError naming the missing file, ValueError for unsupported models.
+    """
+    path = Path(path)
+    if is_gguf_file(path):
+        return gguf_model_config(GGUFFile(path))
+    return load_hf_model_config(path)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
