@@ -1,6 +1,7 @@
 """The one attention entry point the model calls: write new K/V, then paged attention.
 
-The backend is chosen by the cache's device: CUDA tensors go to the CuPy kernels when CuPy is
+The backend is chosen once per step (on the first layer, kept in the metadata's `plans`) by
+the cache's device: CUDA tensors go to the CuPy kernels when CuPy is
 installed, CPU tensors to the C kernel of `cpu_backend` (which falls back to the torch reference
 without a C compiler), anything else to the torch reference. Every backend takes a sliding
 window, so a sliding-window layer runs on the same backend as a full-attention one.
@@ -32,7 +33,9 @@ def write_kv_and_attend(
     a window are never read, so a hybrid KV cache may free their blocks (block id 0 in the
     block table).
     """
-    backend = select_backend(kv_cache.device)
+    backend = metadata.plans.get(
+        ("backend", kv_cache.device), lambda: select_backend(kv_cache.device)
+    )
     backend.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
     if sliding_window is not None and metadata.max_seq_len <= sliding_window:
         sliding_window = None  # no query of this step has a key before its window

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
-T = TypeVar("T")
+from kernels.step_plans import StepPlans
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class AttentionMetadata:
     """Describes one varlen batch of query tokens over a paged KV cache.
 
@@ -26,8 +24,8 @@ class AttentionMetadata:
     Invariant: query token i of request r (0-based within its query) sits at position
     `seq_lens[r] - q_len[r] + i` and sees keys 0..that position (bottom-right causal mask).
     `max_query_len` / `max_seq_len` are host-side ints so kernels can size grids without a sync.
-    `backend_cache` holds what a backend derives from these fields on the first layer of a step
-    and reuses in the others (the metadata is shared by every layer and never mutated).
+    The fields never change during the step (every layer shares them); what backends derive
+    from them on the first layer (the backend itself, work plans) lives in `plans`.
     """
 
     slot_mapping: torch.Tensor
@@ -36,15 +34,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    plans: StepPlans = field(default_factory=StepPlans, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
         return int(self.seq_lens.shape[0])
-
-    def cached(self, key: Hashable, build: Callable[[], T]) -> T:
-        """`build()` for the first layer that asks with `key` this step, the same object after."""
-        value = self.backend_cache.get(key)
-        if value is None:
-            value = self.backend_cache[key] = build()
-        return value

@@ -96,7 +96,7 @@ def paged_attention(
     """
     if out is None:
         out = torch.empty_like(query)
-    plan = metadata.cached(
+    plan = metadata.plans.get(
         ("torch_reference", tuple(kv_cache.shape[2:]), sliding_window),
         lambda: _build_plan(metadata, kv_cache, sliding_window),
     )

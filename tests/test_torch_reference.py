@@ -7,10 +7,12 @@ slots (every case), an empty batch, and bit-exact cache writes that leave -1 slo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kernels import select_backend, torch_reference, write_kv_and_attend
+from kernels import attention, select_backend, torch_reference, write_kv_and_attend
 from kernels.cpu import backend as cpu_backend
 from kernels.cuda import backend as cuda_backend
 from tests.paged_attention_cases import make_case, naive_attention, write_new_tokens
@@ -190,6 +192,38 @@ def test_select_backend_picks_cuda_kernels_when_available(monkeypatch):
     monkeypatch.setattr(cuda_backend, "is_available", lambda: True)
     assert select_backend(torch.device("cuda")) is cuda_backend
     assert select_backend(torch.device("cpu")) is cpu_backend
+
+
+def test_a_step_chooses_its_backend_and_plan_once_for_all_its_layers(monkeypatch):
+    chosen_for = []
+
+    def counting_select_backend(device):
+        chosen_for.append(device)
+        return torch_reference
+
+    monkeypatch.setattr(attention, "select_backend", counting_select_backend)
+    case = make_case([26, 1, 50], [26, 1, 3], 6, 2, 64)
+    outputs = [
+        write_kv_and_attend(
+            case.query, case.key, case.value, case.kv_cache, case.metadata, case.scale
+        )
+        for _layer in range(3)
+    ]
+    assert chosen_for == [torch.device("cpu")]
+    assert len(case.metadata.plans) == 2  # the backend and the torch reference's plan
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    next_step = make_case([26, 1, 50], [26, 1, 3], 6, 2, 64)
+    write_kv_and_attend(
+        next_step.query, next_step.key, next_step.value, next_step.kv_cache,
+        next_step.metadata, next_step.scale,
+    )  # fmt: skip
+    assert chosen_for == [torch.device("cpu")] * 2
+
+
+def test_attention_metadata_fields_cannot_change_during_a_step():
+    metadata = make_case([4], [4], 2, 1, 64).metadata
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        metadata.max_seq_len = 5
 
 
 def test_cuda_backend_is_unavailable_without_a_device():

@@ -169,7 +169,7 @@ def paged_attention(
     result = torch.empty(query.shape, dtype=torch.float32)
     query = query.float().contiguous()
     routing = _routing(capabilities, dtype, kv_cache.dtype)
-    plan = metadata.cached(
+    plan = metadata.plans.get(
         ("cpu", block_size, routing), lambda: _build_plan(metadata, block_size, routing)
     )
     for request in plan.long_requests:
