@@ -9,6 +9,7 @@ test_cpu_attention_routing.py; here the kernels run, each where this CPU can run
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from kernels import select_backend, torch_reference
+from kernels.cpu import attention_args
 from kernels.cpu import backend as cpu_backend
 from kernels.cpu import kernel_loader as cpu_kernel_loader
 from tests.cpu_kernel_builds import AVX512_BF16, KERNEL_BUILDS, kernel_library, requires_cpu_flags
@@ -369,3 +371,29 @@ def test_cache_write_of_another_dtype_goes_through_torch():
     assert not cpu_backend._writes_in_c(key, value, cache, slots)
     cpu_backend.reshape_and_cache(key, value, cache, slots)
     assert torch.equal(cache[0, 0, 5], key[1].bfloat16())
+
+
+def test_the_attention_args_struct_has_the_c_layout():
+    library = cpu_kernel_loader.load()
+    if library is None:
+        pytest.skip("no C compiler: the CPU kernels are not built on this machine")
+    size, offsets = attention_args.compiled_layout(library)
+    assert (size, offsets) == attention_args.python_layout()
+    assert len(set(offsets)) == len(attention_args.FIELDS)  # every field reported, in order
+    assert offsets == sorted(offsets) and size >= offsets[-1] + 4
+
+
+def test_a_struct_out_of_step_with_the_c_header_is_caught():
+    library = cpu_kernel_loader.load()
+    if library is None:
+        pytest.skip("no C compiler: the CPU kernels are not built on this machine")
+    fields = attention_args.FIELDS
+    widened = [*fields[:9], ("num_requests", ctypes.c_int64), *fields[10:]]
+    assert fields[9][0] == "num_requests"
+    assert _layout(widened) != attention_args.compiled_layout(library)
+    assert _layout(list(fields)) == attention_args.compiled_layout(library)
+
+
+def _layout(fields: list) -> tuple[int, list[int]]:
+    struct = type("Args", (ctypes.Structure,), {"_fields_": fields})
+    return ctypes.sizeof(struct), [getattr(struct, name).offset for name, _ in fields]

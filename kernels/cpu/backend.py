@@ -30,6 +30,7 @@ import torch
 from kernels import torch_reference
 from kernels.attention_metadata import AttentionMetadata
 from kernels.cpu import kernel_loader as cpu_kernel_loader
+from kernels.cpu.attention_args import attention_args
 
 # Above this many query tokens (more than a decode or a small chunk) a request is faster
 # through SDPA's blocked matmuls.
@@ -231,31 +232,12 @@ def _run_kernel(
     """Fills the short requests' rows of `result`; query and result are contiguous float32
     (`query_is_bf16`: the query was bf16 before it was widened, so the kernel may round it back
     to bf16 exactly and take its bf16 fast path over a bf16 cache)."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_q_heads = query.shape[1]
-    scratch_floats = plan.max_query_x_seq_len * num_q_heads
-    status = library.paged_attention(
-        query.data_ptr(),
-        kv_cache.data_ptr(),
-        kv_cache.dtype == torch.bfloat16,
-        query_is_bf16,
-        plan.block_table.data_ptr(),
-        plan.block_table.shape[1],
-        plan.seq_lens.data_ptr(),
-        plan.query_start.data_ptr(),
-        plan.short_requests.data_ptr(),
-        len(plan.short_requests),
-        num_blocks,
-        block_size,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        scale,
-        sliding_window or 0,
-        scratch_floats,
-        result.data_ptr(),
-        torch.get_num_threads(),
-    )
+    scratch_floats = plan.max_query_x_seq_len * query.shape[1]
+    args = attention_args(
+        query, kv_cache, plan.block_table, plan.seq_lens, plan.query_start,
+        plan.short_requests, result, scale, sliding_window, query_is_bf16,
+    )  # fmt: skip
+    status = library.paged_attention(ctypes.byref(args), scratch_floats)
     if status != 0:
         raise MemoryError(f"CPU attention could not allocate {scratch_floats * 4} bytes of scores")
 
@@ -270,26 +252,11 @@ def _run_prefill_kernel(
     result: torch.Tensor,
 ) -> None:
     """Fills the prefill requests' rows of `result` (query and result contiguous float32)."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    status = library.prefill_attention(
-        query.data_ptr(),
-        kv_cache.data_ptr(),
-        plan.block_table.data_ptr(),
-        plan.block_table.shape[1],
-        plan.seq_lens.data_ptr(),
-        plan.query_start.data_ptr(),
-        plan.prefill_requests.data_ptr(),
-        len(plan.prefill_requests),
-        num_blocks,
-        block_size,
-        query.shape[1],
-        num_kv_heads,
-        head_dim,
-        scale,
-        sliding_window or 0,
-        result.data_ptr(),
-        torch.get_num_threads(),
-    )
+    args = attention_args(
+        query, kv_cache, plan.block_table, plan.seq_lens, plan.query_start,
+        plan.prefill_requests, result, scale, sliding_window,
+    )  # fmt: skip
+    status = library.prefill_attention(ctypes.byref(args))
     if status != 0:
         raise MemoryError("CPU prefill attention could not allocate its panels")
 

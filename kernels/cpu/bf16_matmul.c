@@ -6,11 +6,11 @@
 // benchmarks/results/linears.md), and its LM head with float32 output (logits rounded to bf16
 // flip greedy choices).
 //
-// The weight is packed once (kernels/cpu_bf16_matmul.py): rows padded to a multiple of
+// The weight is packed once (kernels/cpu/bf16_matmul.py): rows padded to a multiple of
 // TILE_COLUMNS, then [N / 16][K / 2][16][2], so one 64-byte load holds two consecutive k of
 // 16 output columns, the operand layout of vdpbf16ps. K must be even. `out` is contiguous
 // [M, N]: the padding columns are computed and never stored.
-// Built by kernels/cpu_kernel_loader.py with `cc -O3 -march=native -fopenmp`.
+// Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <stdint.h>
 #include <string.h>

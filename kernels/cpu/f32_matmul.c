@@ -2,7 +2,7 @@
 // and FMA: the float32 linears and LM head of the CPU worker on CPUs without AVX-512, where it
 // is faster than oneDNN at every batch size (benchmarks/results/avx2/linears.md).
 //
-// The weight is packed once (kernels/cpu_f32_matmul.py) into panels of PANEL_COLUMNS output
+// The weight is packed once (kernels/cpu/f32_matmul.py) into panels of PANEL_COLUMNS output
 // columns, [N / 16][K][16] with N padded to a multiple of 16, so one k of a panel is one
 // 64-byte cache line: two 8-float vectors. A tile of TILE_ROWS rows x one panel keeps its
 // 6 x 2 sums in 12 registers (plus 2 weight vectors and 1 broadcast of x: 15 of 16), the usual
@@ -10,7 +10,7 @@
 // work on one panel (from L1/L2 after the first tile), they prefetch the next panel, spread
 // evenly over the tiles, so memory streams the weight while the FMAs run instead of between
 // panels. `out` is contiguous [M, N]: padding columns are computed and never stored.
-// Built by kernels/cpu_kernel_loader.py with `cc -O3 -march=native -fopenmp`.
+// Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <stdint.h>
 

@@ -6,7 +6,7 @@
 // over `num_threads` OpenMP threads (1 = the calling thread only) when a call has at least
 // PARALLEL_MIN_ELEMENTS elements: below that, waking a second thread costs more than the op
 // (a decode step's ops are a few thousand elements each).
-// Built by kernels/cpu_kernel_loader.py with `cc -O3 -march=native -fopenmp`.
+// Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <math.h>
 #include <stdint.h>

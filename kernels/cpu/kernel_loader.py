@@ -41,7 +41,7 @@ SOURCES = tuple(
         "f32_matmul.c",
     )
 )
-HEADERS = (KERNEL_DIR / "scalar_math.h",)
+HEADERS = (KERNEL_DIR / "scalar_math.h", KERNEL_DIR / "attention_args.h")
 LIBRARY_NAME = "cpu_kernels"
 # -fno-trapping-math: no kernel unmasks floating-point exceptions, and without it GCC will not
 # if-convert the clamps and selects of exp/SiLU on AVX2 (no masked loads), leaving those loops
@@ -183,56 +183,12 @@ def _declare(library: ctypes.CDLL) -> None:
     _signature(
         library.reshape_and_cache, [pointer, i64, pointer, i64, pointer, i64, pointer, i64, i64]
     )
-    _signature(
-        library.paged_attention,
-        [
-            pointer,  # query
-            pointer,  # kv_cache
-            i32,  # cache_is_bf16
-            i32,  # query_is_bf16
-            pointer,  # block_table
-            i64,  # block_table_stride
-            pointer,  # seq_lens
-            pointer,  # query_start
-            pointer,  # requests
-            i32,  # num_requests
-            i64,  # num_cache_blocks
-            i32,  # block_size
-            i32,  # num_q_heads
-            i32,  # num_kv_heads
-            i32,  # head_dim
-            f32,  # scale
-            i32,  # sliding_window (0: none)
-            i64,  # max_rows_x_len
-            pointer,  # out
-            i32,  # num_threads
-        ],
-        ctypes.c_int,
-    )
+    args = ctypes.c_void_p  # a pointer to AttentionArgs (kernels/cpu/attention_args.py)
+    _signature(library.attention_args_layout, [pointer, i32], i64)
+    # args, max_rows_x_len
+    _signature(library.paged_attention, [args, i64], ctypes.c_int)
     _signature(library.prefill_attention_tile_tokens, [i32, i32], ctypes.c_int)
-    _signature(
-        library.prefill_attention,
-        [
-            pointer,  # query
-            pointer,  # kv_cache
-            pointer,  # block_table
-            i64,  # block_table_stride
-            pointer,  # seq_lens
-            pointer,  # query_start
-            pointer,  # requests
-            i32,  # num_requests
-            i64,  # num_cache_blocks
-            i32,  # block_size
-            i32,  # num_q_heads
-            i32,  # num_kv_heads
-            i32,  # head_dim
-            f32,  # scale
-            i32,  # sliding_window (0: none)
-            pointer,  # out
-            i32,  # num_threads
-        ],
-        ctypes.c_int,
-    )
+    _signature(library.prefill_attention, [args], ctypes.c_int)
     # x, residual, weight, out, bf16, rows, cols, eps, num_threads
     _signature(
         library.fused_add_rms_norm, [pointer, pointer, pointer, pointer, i32, i64, i64, f32, i32]

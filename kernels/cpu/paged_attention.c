@@ -17,13 +17,15 @@
 // polynomial the compiler vectorizes. Items run in parallel over `num_threads` OpenMP threads
 // (1 = the calling thread only); with fewer requests than threads, each KV head of a request
 // is an item of its own.
-// Built by kernels/cpu_kernel_loader.py with `cc -O3 -march=native -fopenmp`.
+// Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_args.h"
 #include "scalar_math.h"
 
 #if defined(__AVX512F__)
@@ -713,30 +715,29 @@ static int32_t max_query_len(const int32_t* query_start, const int32_t* requests
     return longest;
 }
 
-// Attends the requests listed in `requests` (indices into seq_lens / query_start); other
-// rows of `out` are left untouched. The cache holds float32, or bf16 when `cache_is_bf16`;
+// Attends the requests listed in `a->requests` (indices into seq_lens / query_start); other
+// rows of `a->out` are left untouched. The cache holds float32, or bf16 when `cache_is_bf16`;
 // `query_is_bf16` says the float32 queries hold bf16 values (a bf16 model's), which lets the
 // bf16 fast path run. `max_rows_x_len` bounds q_len * num_q_heads * seq_len over the listed
-// requests (the scratch each thread allocates for its scores). `sliding_window` > 0 limits
-// the query at position q to keys q - sliding_window + 1 .. q; 0 means no window. Returns 0,
-// or -1 when an allocation failed.
-int paged_attention(const float* query, const void* kv_cache, int32_t cache_is_bf16,
-                    int32_t query_is_bf16, const int32_t* block_table,
-                    int64_t block_table_stride, const int32_t* seq_lens,
-                    const int32_t* query_start, const int32_t* requests, int32_t num_requests,
-                    int64_t num_cache_blocks, int32_t block_size, int32_t num_q_heads,
-                    int32_t num_kv_heads, int32_t head_dim, float scale, int32_t sliding_window,
-                    int64_t max_rows_x_len, float* out, int32_t num_threads) {
+// requests (the scratch each thread allocates for its scores). Returns 0, or -1 when an
+// allocation failed.
+int paged_attention(const AttentionArgs* a, int64_t max_rows_x_len) {
+    const int32_t cache_is_bf16 = a->cache_is_bf16, head_dim = a->head_dim;
+    const int32_t block_size = a->block_size, num_q_heads = a->num_q_heads;
+    const int32_t num_kv_heads = a->num_kv_heads, num_requests = a->num_requests;
+    const int32_t num_threads = a->num_threads;
+    const int32_t* requests = a->requests;
     const int64_t elem = cache_is_bf16 ? 2 : 4;
-    const int64_t half_bytes = num_cache_blocks * block_size * num_kv_heads * head_dim * elem;
-    const char* keys = (const char*)kv_cache;
-    const int32_t fast = use_fast_bf16(cache_is_bf16, query_is_bf16, head_dim, block_size);
-    const Problem problem = {query,       keys,         keys + half_bytes, block_table,
-                             seq_lens,    query_start,  out,               block_table_stride,
-                             block_size,  num_q_heads,  num_kv_heads,      scale,
-                             fast,        sliding_window};
+    const int64_t half_bytes = a->num_cache_blocks * block_size * num_kv_heads * head_dim * elem;
+    const char* keys = (const char*)a->kv_cache;
+    const int32_t fast = use_fast_bf16(cache_is_bf16, a->query_is_bf16, head_dim, block_size);
+    const Problem problem = {a->query,       keys,        keys + half_bytes, a->block_table,
+                             a->seq_lens,    a->query_start, a->out,        a->block_table_stride,
+                             block_size,     num_q_heads, num_kv_heads,     a->scale,
+                             fast,           a->sliding_window};
     const int64_t query_elements =
-        fast ? (int64_t)max_query_len(query_start, requests, num_requests) * num_q_heads * head_dim
+        fast ? (int64_t)max_query_len(a->query_start, requests, num_requests) * num_q_heads *
+                   head_dim
              : 0;
     // A work item is a request, or with fewer requests than threads one KV head of one (a
     // single long decode would otherwise run on one thread).
@@ -769,4 +770,24 @@ int paged_attention(const float* query, const void* kv_cache, int32_t cache_is_b
         free(scratch.widened_values);
     }
     return failed ? -1 : 0;
+}
+
+// sizeof(AttentionArgs), and the byte offset of each of its fields in declaration order in
+// offsets[0 .. capacity): the tests compare them with the ctypes.Structure's.
+int64_t attention_args_layout(int64_t* offsets, int32_t capacity) {
+    const int64_t all[] = {
+        offsetof(AttentionArgs, query),          offsetof(AttentionArgs, kv_cache),
+        offsetof(AttentionArgs, block_table),    offsetof(AttentionArgs, seq_lens),
+        offsetof(AttentionArgs, query_start),    offsetof(AttentionArgs, requests),
+        offsetof(AttentionArgs, out),            offsetof(AttentionArgs, block_table_stride),
+        offsetof(AttentionArgs, num_cache_blocks), offsetof(AttentionArgs, num_requests),
+        offsetof(AttentionArgs, block_size),     offsetof(AttentionArgs, num_q_heads),
+        offsetof(AttentionArgs, num_kv_heads),   offsetof(AttentionArgs, head_dim),
+        offsetof(AttentionArgs, cache_is_bf16),  offsetof(AttentionArgs, query_is_bf16),
+        offsetof(AttentionArgs, sliding_window), offsetof(AttentionArgs, scale),
+        offsetof(AttentionArgs, num_threads),
+    };
+    const int32_t count = (int32_t)(sizeof(all) / sizeof(all[0]));
+    for (int32_t i = 0; i < count && i < capacity; ++i) offsets[i] = all[i];
+    return (int64_t)sizeof(AttentionArgs);
 }

@@ -19,12 +19,13 @@
 // one row sees and another does not is real data and gets weight exactly 0 for the other (a
 // NaN in its value row would still reach the other through 0 x NaN: only a model that already
 // produced NaN has one there).
-// Built by kernels/cpu_kernel_loader.py with `cc -O3 -march=native -fopenmp`.
+// Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_args.h"
 #include "scalar_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -302,25 +303,25 @@ int prefill_attention_tile_tokens(int32_t group, int32_t head_dim) {
 #endif
 }
 
-// Attends the `num_requests` requests listed in `requests` (indices into seq_lens and
+// Attends the `a->num_requests` requests listed in `a->requests` (indices into seq_lens and
 // query_start; their rows of `out` only) over the float32 cache [2, num_cache_blocks,
 // block_size, H_kv, D]; queries and outputs float32 [T, H_q, D]. Items run over
 // `num_threads` OpenMP threads. Returns 0, -1 when an allocation failed, -2 when the kernel
 // is not built for these shapes (prefill_attention_tile_tokens is 0).
-int prefill_attention(const float* query, const float* kv_cache, const int32_t* block_table,
-                      int64_t block_table_stride, const int32_t* seq_lens,
-                      const int32_t* query_start, const int32_t* requests, int32_t num_requests,
-                      int64_t num_cache_blocks, int32_t block_size, int32_t num_q_heads,
-                      int32_t num_kv_heads, int32_t head_dim, float scale, int32_t sliding_window,
-                      float* out, int32_t num_threads) {
+int prefill_attention(const AttentionArgs* a) {
 #if defined(PREFILL_ATTENTION_BUILT)
-    const int32_t group = num_q_heads / num_kv_heads;
+    const int32_t num_kv_heads = a->num_kv_heads, head_dim = a->head_dim;
+    const int32_t num_requests = a->num_requests, num_threads = a->num_threads;
+    const int32_t* requests = a->requests;
+    const int32_t* query_start = a->query_start;
+    const int32_t group = a->num_q_heads / num_kv_heads;
     const int32_t tile_tokens = prefill_attention_tile_tokens(group, head_dim);
     if (tile_tokens == 0) return -2;
+    const float* keys = (const float*)a->kv_cache;
     const Problem problem = {
-        query, kv_cache, kv_cache + num_cache_blocks * block_size * num_kv_heads * head_dim,
-        block_table, seq_lens, query_start, out, block_table_stride, block_size, num_q_heads,
-        num_kv_heads, head_dim, scale, sliding_window,
+        a->query, keys, keys + a->num_cache_blocks * a->block_size * num_kv_heads * head_dim,
+        a->block_table, a->seq_lens, query_start, a->out, a->block_table_stride, a->block_size,
+        a->num_q_heads, num_kv_heads, head_dim, a->scale, a->sliding_window,
     };
     int64_t num_items = 0;
     for (int32_t i = 0; i < num_requests; ++i) {
@@ -357,10 +358,7 @@ int prefill_attention(const float* query, const float* kv_cache, const int32_t* 
     free(items);
     return failed ? -1 : 0;
 #else
-    (void)query, (void)kv_cache, (void)block_table, (void)block_table_stride, (void)seq_lens;
-    (void)query_start, (void)requests, (void)num_requests, (void)num_cache_blocks;
-    (void)block_size, (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)scale;
-    (void)sliding_window, (void)out, (void)num_threads;
+    (void)a;
     return -2;
 #endif
 }
