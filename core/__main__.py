@@ -3,7 +3,9 @@
 Runs one engine core process that connects to a frontend bound at ADDR (`ipc://PATH` or
 `tcp://HOST:PORT`, see `proto.endpoints`). `AsyncCoreClient` launches it with `--config` and
 `--watch-parent`; started by hand it takes the same engine flags as `EngineConfig` fields
-(`--max-num-seqs 64`, `--no-enable-prefix-caching`, ...), which override `--config`.
+(`--max-num-seqs 64`, `--no-enable-prefix-caching`, ...), which override `--config`, and serves
+one client after another (`core-serve --frontend-address ADDR`, `EngineClient(config, ADDR)`):
+each is greeted when it binds ADDR, and each one's requests are aborted when it goes.
 """
 
 from __future__ import annotations

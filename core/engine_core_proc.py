@@ -8,9 +8,16 @@ output threads cost) until rank 0's answer arrives. The executor only sends and 
 Outputs are encoded and sent on the PUSH right after each step. Malformed frames are answered
 with an ERROR output for their request and never stop the loop.
 
-Life cycle: start workers -> KV sizing handshake -> `EngineReady` on the DEALER -> serve until a
-signal (exit 0, `EngineDead` sent) or a failure (every unfinished request gets an ERROR output,
-then `EngineDead`; exit 1).
+Life cycle: start workers -> KV sizing handshake -> serve clients until a signal (exit 0,
+`EngineDead` sent) or a failure (every unfinished request gets an ERROR output, then
+`EngineDead`; exit 1).
+
+Clients, one after another (see `ClientWatch`): every frontend that connects gets `EngineReady`
+on the DEALER as soon as the engine is ready (at once if it already is). When the client
+departs, the core aborts every request it holds (their KV blocks are freed, no output is sent)
+and drops the departed client's unread frames and unsent outputs, so that the next client starts
+from an idle engine and hears nothing meant for another. The DEALER is IMMEDIATE: a message goes
+only to a live connection, never into a queue the next client would read.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import time
 import msgspec
 import zmq
 
+from core.client_watch import ClientEvent, ClientWatch
 from core.engine_core import (
     EngineCore,
     make_error_output,
@@ -74,15 +82,13 @@ class EngineCoreProc:
         self.config = config
         self.frontend_address = frontend_address
         self.context = zmq.Context()
-        endpoints = frontend_endpoints(frontend_address)
+        self.endpoints = frontend_endpoints(frontend_address)
         self.input_socket = self.context.socket(zmq.DEALER)
         self.input_socket.setsockopt(zmq.ROUTING_ID, f"core-{os.getpid()}".encode())
-        self.input_socket.connect(endpoints.requests)
-        self.output_socket = self.context.socket(zmq.PUSH)
-        # A send waiting on a frontend that reads nothing returns every POLL_INTERVAL_S, so a
-        # signal is still handled and a shutdown stays bounded (see _send).
-        self.output_socket.setsockopt(zmq.SNDTIMEO, int(POLL_INTERVAL_S * 1000))
-        self.output_socket.connect(endpoints.outputs)
+        self.input_socket.setsockopt(zmq.IMMEDIATE, 1)
+        self.client_watch = ClientWatch(self.input_socket)
+        self.input_socket.connect(self.endpoints.requests)
+        self.output_socket = self._connect_output_socket()
         self.pending_inputs: collections.deque[InputItem] = collections.deque()
         self.encoder = MessageEncoder()
         # The size limit is the decoder's, not zmq.MAXMSGSIZE: on a connecting socket an
@@ -95,6 +101,7 @@ class EngineCoreProc:
         self.engine_core: EngineCore | None = None
         self.kv_event_log: KVCacheEventLog | None = None  # data parallelism only
         self.vocab_size = 0  # known once the workers report; requests are read only after that
+        self.ready: EngineReady | None = None  # what every client is greeted with
         self.step_trace = StepTrace.from_env()  # CORE_ENGINE_STEP_TRACE: one line per step
 
     def run(self, stop_on_sigint: bool = True) -> int:
@@ -104,9 +111,9 @@ class EngineCoreProc:
         _install_signal_handlers(stop_on_sigint)
         start = time.monotonic()
         try:
-            ready = self._start_engine()
-            self.input_socket.send_multipart(self.encoder.encode(ready))
-            logger.info(describe_ready(ready, time.monotonic() - start, self.engine_core.scheduler))
+            self.ready = self._start_engine()
+            elapsed_s = time.monotonic() - start
+            logger.info(describe_ready(self.ready, elapsed_s, self.engine_core.scheduler))
             self._run_busy_loop()
         except ShutdownRequested as exc:
             logger.info("engine core shutting down on %s", exc)
@@ -141,10 +148,12 @@ class EngineCoreProc:
         """Applies inputs, steps, sends outputs; forever (until an exception unwinds it)."""
         engine_core = self.engine_core
         self.poller.register(self.input_socket, zmq.POLLIN)
+        self.poller.register(self.client_watch.monitor, zmq.POLLIN)
         for fd in self.executor.pipe_fds():
             self.poller.register(fd, zmq.POLLIN)
         while True:
             self._read_frontend()
+            self._handle_client_events()
             while self.pending_inputs:
                 self._handle_input(self.pending_inputs.popleft())
             scheduler_output = engine_core.schedule()
@@ -163,15 +172,15 @@ class EngineCoreProc:
                 self._send(outputs)
 
     def _wait_for_frontend(self) -> None:
-        """Blocks until the DEALER has a frame. A worker's pipe turning readable meanwhile (its
-        error report or its exit) raises WorkerFailedError at once; liveness is also re-checked
-        every POLL_INTERVAL_S."""
+        """Blocks until the DEALER has a frame or a client arrives or departs. A worker's pipe
+        turning readable meanwhile (its error report or its exit) raises WorkerFailedError at
+        once; liveness is also re-checked every POLL_INTERVAL_S."""
         while True:
             ready = self.poller.poll(POLL_INTERVAL_S * 1000)
             if not ready:
                 self.executor.check_alive()
             for source, _ in ready:
-                if source is not self.input_socket:
+                if source is not self.input_socket and source is not self.client_watch.monitor:
                     raise self.executor.fail_on_message(source)
             if ready:
                 return
@@ -188,6 +197,8 @@ class EngineCoreProc:
             for source, _ in ready:
                 if source is self.input_socket:
                     self._read_frontend()
+                elif source is self.client_watch.monitor:
+                    self.client_watch.read_events()  # handled once the step is applied
                 else:
                     return self.executor.receive_step_output(source)
         raise WorkerFailedError(f"no worker answered a step within {timeout_s} s")
@@ -218,7 +229,65 @@ class EngineCoreProc:
             error=f"unknown utility method {call.method!r}; known: {', '.join(UTILITY_METHODS)}",
         )
 
+    # ---- clients, one after another --------------------------------------------------------
+
+    def _handle_client_events(self) -> None:
+        """Departures abort what the departed client left; the client connected now, if it
+        has just arrived, is greeted. Called where no step is in flight."""
+        self.client_watch.read_events()
+        events = self.client_watch.take_events()
+        for event in events:
+            if event is ClientEvent.DEPARTED:
+                self._forget_departed_client()
+            else:
+                logger.info("a frontend client connected at %s", self.frontend_address)
+        if events and events[-1] is ClientEvent.ARRIVED:
+            self._greet_client()
+
+    def _greet_client(self) -> None:
+        """Sends `EngineReady`, whose frame also tells the client the core's routing id."""
+        # Reading EVENTS makes zmq attach the new connection's pipe now (its handshake event
+        # came after the command that does so); a send alone may put that off for a while.
+        self.input_socket.getsockopt(zmq.EVENTS)
+        try:
+            self.input_socket.send_multipart(self.encoder.encode(self.ready), flags=zmq.NOBLOCK)
+        except zmq.Again:  # gone already: its departure is the next event
+            logger.info("the frontend client at %s left before its greeting", self.frontend_address)
+
+    def _forget_departed_client(self) -> None:
+        """Everything the core holds belongs to the client that departed: it serves one at a
+        time, and greets the next only after this. Its requests are aborted (KV blocks freed,
+        no output sent), its unread frames dropped, and the outputs still queued for it are
+        discarded with the PUSH socket, which reconnects for the next client."""
+        self._drop_unread_frames()
+        request_ids = self.engine_core.unfinished_request_ids()
+        num_pending = sum(isinstance(item, Request) for item in self.pending_inputs)
+        self.pending_inputs.clear()
+        self.engine_core.abort_requests(request_ids)
+        self.output_socket.close(linger=0)
+        self.output_socket = self._connect_output_socket()
+        num_aborted = len(request_ids) + num_pending
+        requests = f"{num_aborted} request{'s' if num_aborted > 1 else ''}"
+        aborted = f"aborted {requests} it had in flight (KV blocks freed)"
+        logger.info(
+            "the frontend client at %s departed%s; waiting for the next client",
+            self.frontend_address,
+            f": {aborted}" if num_aborted else "",
+        )
+
+    def _drop_unread_frames(self) -> None:
+        while self.input_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.input_socket.recv_multipart(copy=False)
+
     # ---- frontend sockets ------------------------------------------------------------------
+
+    def _connect_output_socket(self) -> zmq.Socket:
+        socket = self.context.socket(zmq.PUSH)
+        # A send waiting on a frontend that reads nothing returns every POLL_INTERVAL_S, so a
+        # signal is still handled and a shutdown stays bounded (see _send).
+        socket.setsockopt(zmq.SNDTIMEO, int(POLL_INTERVAL_S * 1000))
+        socket.connect(self.endpoints.outputs)
+        return socket
 
     def _read_frontend(self) -> None:
         """Decodes the frames waiting on the DEALER (up to MAX_FRAMES_PER_READ) into
@@ -257,8 +326,9 @@ class EngineCoreProc:
 
     def _send(self, message: msgspec.Struct, timeout_s: float | None = None) -> None:
         """Encodes and queues one message on the PUSH. At the high-water mark (a frontend that
-        stopped reading) it waits: without limit in normal operation, up to `timeout_s` when
-        shutting down, after which the message is dropped with a warning."""
+        stopped reading) it waits: in normal operation for as long as the client stays
+        connected, up to `timeout_s` when shutting down, after which the message is dropped with
+        a warning."""
         frames = self.encoder.encode(message)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -266,6 +336,8 @@ class EngineCoreProc:
                 self.output_socket.send_multipart(frames, copy=False)
                 return
             except zmq.Again:
+                if deadline is None and not self._client_is_connected():
+                    return  # its departure, handled next, discards what was queued for it
                 if deadline is not None and time.monotonic() > deadline:
                     logger.warning(
                         "dropped %s: the frontend read nothing for %s s",
@@ -273,6 +345,10 @@ class EngineCoreProc:
                         timeout_s,
                     )
                     return
+
+    def _client_is_connected(self) -> bool:
+        self.client_watch.read_events()
+        return self.client_watch.is_connected
 
     # ---- failure and shutdown --------------------------------------------------------------
 
@@ -293,6 +369,7 @@ class EngineCoreProc:
         _ignore_signals()
         if self.executor is not None:
             self.executor.shutdown()
+        self.client_watch.close()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=OUTPUT_LINGER_MS)
         self.context.term()

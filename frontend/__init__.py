@@ -12,7 +12,7 @@ from frontend.async_engine_client import (
     InvalidPromptError,
     ServiceStoppedError,
 )
-from frontend.core_client import EngineDeadError
+from frontend.core_client import EngineCoreNotFoundError, EngineDeadError
 from frontend.engine_client import EngineClient
 from frontend.llm import LLM
 from frontend.request_output import CompletionOutput, RequestOutput
@@ -23,6 +23,7 @@ __all__ = [
     "AsyncEngineClient",
     "CompletionOutput",
     "EngineClient",
+    "EngineCoreNotFoundError",
     "EngineDeadError",
     "InvalidPromptError",
     "RequestOutput",

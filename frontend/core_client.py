@@ -3,10 +3,16 @@
 The client binds ROUTER (requests, aborts, utility calls; the core's `EngineReady` arrives here
 too and names the core's routing id) and PULL (outputs, utility answers, `EngineDead`), in a
 private 0700 ipc directory or on a given tcp address, then launches `python -m core` (or waits
-for one started by hand). Outputs are dispatched into per-request queues by a reader callback
-on the PULL socket's file descriptor, which reads with plain non-blocking calls: no future,
-timer or reader registration per poll and per message, as awaiting zmq.asyncio calls costs.
-A timer checks the core's liveness every POLL_INTERVAL_S.
+for one started by hand: "attach"). Outputs are dispatched into per-request queues by a reader
+callback on the PULL socket's file descriptor, which reads with plain non-blocking calls: no
+future, timer or reader registration per poll and per message, as awaiting zmq.asyncio calls
+costs. A timer checks the core's liveness every POLL_INTERVAL_S.
+
+Attach: a core started by hand serves one client after another. It connects to whichever client
+binds its address and greets each with `EngineReady`; the client watches its ROUTER's
+connections (a socket monitor) to tell "no core has connected yet" (a warning after
+NO_CORE_WARNING_S, `EngineCoreNotFoundError` after `startup_timeout_s`) from "a core connected
+and is still starting" (the launched core's start-up bound), and to notice the core leaving.
 """
 
 from __future__ import annotations
@@ -51,10 +57,17 @@ POLL_INTERVAL_S = 0.1
 MAX_MESSAGES_PER_READ = 1024
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 10_000
+# Attach: how long no core may have connected before the client says so.
+NO_CORE_WARNING_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine core is gone; the message says why. Every later call raises it too."""
+
+
+class EngineCoreNotFoundError(TimeoutError):
+    """Attach: no engine core connected to the client's address in time; the message names
+    the address and the command that starts a core there."""
 
 
 class AsyncCoreClient:
@@ -65,7 +78,8 @@ class AsyncCoreClient:
     ERROR, or the ABORT that `abort` puts there itself); or an `EngineDeadError` if the core
     dies first. Every method must be called on the event loop that ran `start()`.
     `launch_core=False` waits for a core started separately with
-    `python -m core --frontend-address ADDRESS` (`address` is then required).
+    `python -m core --frontend-address ADDRESS` (`address` is then required), which may have
+    served other clients before this one and serves the next one after it.
     `env`: the launched core's environment (None: this process's). `on_outputs` sees every
     `EngineCoreOutputs` before its outputs are dispatched (a data-parallel router counts load
     and reads the core's KV cache events there). `label` prefixes the reasons of its death
@@ -104,6 +118,8 @@ class AsyncCoreClient:
         self._core_routing_id: bytes | None = None
         self._process: subprocess.Popen | None = None
         self._ipc_dir: str | None = None
+        self._core_connected = False  # attach: a core's connection was seen
+        self._warned_no_core = False
         self._core_disconnected = False
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -139,7 +155,7 @@ class AsyncCoreClient:
             if self.launch_core:
                 self._process = self._launch_core()
             else:
-                self._watch_disconnects()
+                self._watch_core_connection()
             self.ready = await self._wait_for_ready()
         except BaseException:
             await self.shutdown()
@@ -175,24 +191,36 @@ class AsyncCoreClient:
         logger.info("launched engine core (pid %d) at %s", process.pid, self.address)
         return process
 
-    def _watch_disconnects(self) -> None:
-        """A core we did not launch is watched through its connection instead of its pid."""
-        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    def _watch_core_connection(self) -> None:
+        """A core we did not launch is watched through its connection instead of its pid: its
+        arrival (a finished handshake) and its departure, which ends this client's engine."""
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        self._monitor = self._router.get_monitor_socket(events)
 
         async def watch() -> None:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            logger.warning("engine core connection closed: %s", event)
-            self._core_disconnected = True
+            while True:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if self.ready is None:
+                        logger.info("an engine core connected at %s", self.address)
+                    self._core_connected = True
+                    continue
+                logger.warning("engine core connection closed: %s", event)
+                self._core_disconnected = True
+                return
 
-        self._tasks.append(asyncio.create_task(watch(), name="core-disconnects"))
+        self._tasks.append(asyncio.create_task(watch(), name="core-connection"))
 
     async def _wait_for_ready(self) -> EngineReady:
-        # The core waits up to startup_timeout_s for model loading and again for allocation.
+        """The core's `EngineReady`, waited for up to 2 x startup_timeout_s + shutdown_timeout_s
+        (the core waits up to startup_timeout_s for model loading and again for allocation);
+        attached, up to startup_timeout_s for a core to connect at all."""
         timeout_s = 2 * self.config.startup_timeout_s + self.config.shutdown_timeout_s
         ready_decoder = MessageDecoder([EngineReady], self.config.max_frame_bytes)
-        dead_decoder = MessageDecoder([EngineDead], self.config.max_frame_bytes)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while (remaining_s := deadline - asyncio.get_running_loop().time()) > 0:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + timeout_s
+        while (remaining_s := deadline - loop.time()) > 0:
             if await self._router.poll(min(remaining_s, POLL_INTERVAL_S) * 1000):
                 routing_id, *frames = await self._router.recv_multipart()
                 try:
@@ -202,16 +230,45 @@ class AsyncCoreClient:
                     continue
                 self._core_routing_id = routing_id
                 return ready
-            if self._pull.poll(0):
-                try:
-                    dead = dead_decoder.decode(self._pull.recv_multipart())
-                except MessageDecodeError as exc:
-                    logger.warning("ignored a malformed frame while waiting for ready: %s", exc)
-                    continue
-                raise EngineDeadError(f"engine core failed to start: {dead.reason}")
+            self._read_outputs_before_ready()
             if (reason := self._core_gone_reason()) is not None:
                 raise EngineDeadError(f"{reason} during start-up")
+            if not self.launch_core and not self._core_connected:
+                self._check_no_core_wait(loop.time() - start)
         raise TimeoutError(f"engine core at {self.address} was not ready within {timeout_s} s")
+
+    def _read_outputs_before_ready(self) -> None:
+        """Raises EngineDeadError on the core's `EngineDead`. Outputs before `EngineReady` were
+        meant for an earlier client of the same core: they are dropped."""
+        while self._pull.poll(0):
+            try:
+                message = self._output_decoder.decode(self._pull.recv_multipart())
+            except MessageDecodeError as exc:
+                logger.warning("ignored a malformed frame while waiting for ready: %s", exc)
+                continue
+            if isinstance(message, EngineDead):
+                raise EngineDeadError(f"engine core failed to start: {message.reason}")
+            logger.debug("dropped %s meant for an earlier client", type(message).__name__)
+
+    def _check_no_core_wait(self, waited_s: float) -> None:
+        """Attach, while no core has connected: a warning once NO_CORE_WARNING_S have passed,
+        EngineCoreNotFoundError once startup_timeout_s have."""
+        start_one = f"start one with `python -m core --frontend-address {self.address} --model ...`"
+        if waited_s >= self.config.startup_timeout_s:
+            raise EngineCoreNotFoundError(
+                f"no engine core connected to {self.address} within startup_timeout_s="
+                f"{self.config.startup_timeout_s:g} s; {start_one} (the engine flags that count "
+                "are the core's)"
+            )
+        if waited_s >= NO_CORE_WARNING_S and not self._warned_no_core:
+            logger.warning(
+                "no engine core has connected to %s after %.0f s; %s; waiting up to %g s",
+                self.address,
+                waited_s,
+                start_one,
+                self.config.startup_timeout_s,
+            )
+            self._warned_no_core = True
 
     # ---- requests --------------------------------------------------------------------------
 

@@ -361,7 +361,7 @@ def test_attaching_to_an_address_where_no_core_answers_fails_in_time(tmp_path):
 
     config = EngineConfig(model="null", startup_timeout_s=2.0)
     start = time.monotonic()
-    # Bounded by the core's own start-up budget: twice startup_timeout_s plus shutdown_timeout_s.
-    with pytest.raises(TimeoutError, match="engine core at ipc://.*/nobody was not ready within"):
+    # No core ever connected: bounded by startup_timeout_s alone, not by a core's start-up budget.
+    with pytest.raises(TimeoutError, match="no engine core connected to ipc://.*/nobody within"):
         EngineClient(config, f"ipc://{tmp_path}/nobody")
-    assert time.monotonic() - start < 2 * 2.0 + config.shutdown_timeout_s + 5
+    assert time.monotonic() - start < 2.0 + 5
