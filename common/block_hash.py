@@ -64,13 +64,25 @@ def hash_block_tokens(
     return BlockHash(hasher.digest())
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, seed: bytes) -> list[BlockHash]:
+def block_extra_keys(start_token_index: int, cache_salt: str | None) -> tuple[str, ...] | None:
+    """The extra keys of the block whose first token is at `start_token_index`: the cache salt
+    for the first block only. Every later block is chained from the first, so one salted block
+    separates the whole prompt from other salts and from unsalted prompts."""
+    if start_token_index == 0 and cache_salt is not None:
+        return (cache_salt,)
+    return None
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, seed: bytes, cache_salt: str | None = None
+) -> list[BlockHash]:
     """The hashes of the full blocks of `token_ids`, chained from `seed`: what an engine core
-    whose NONE_HASH is `seed` computes for the same prompt."""
+    whose NONE_HASH is `seed` computes for the same prompt and `cache_salt`."""
     hashes: list[BlockHash] = []
     parent = seed
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        extra_keys = block_extra_keys(start, cache_salt)
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
 

@@ -49,6 +49,10 @@ WORKLOAD_COUNTERS = (
     "num_preemptions",
     "prefix_cache_queries",
     "prefix_cache_hits",
+    "prefix_cache_requests",
+    "prefix_cache_preempted_requests",
+    "prefix_cache_preempted_queries",
+    "prefix_cache_preempted_hits",
     "num_prompt_tokens",
     "num_generation_tokens",
 )

@@ -23,10 +23,30 @@ class KVCacheBlocks:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Cumulative prefix-cache lookups, in tokens (queries) and hit tokens (hits)."""
+    """Cumulative prefix-cache lookups: `requests` looked up, their tokens (`queries`) and the
+    tokens the cache held (`hits`). One lookup counts per admission from the waiting queue,
+    when the request is admitted (vLLM's semantics: a request that waits several steps for
+    blocks is looked up each step but counted once). The lookups of requests readmitted after
+    a preemption (they find their own blocks again) go to the `preempted_*` counters, so they
+    do not inflate the hit rate."""
 
+    requests: int = 0
     queries: int = 0
     hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """Counts one admitted request's lookup of `num_tokens` tokens that hit `num_hits`."""
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
 
 
 class KVCacheManager:
@@ -81,7 +101,8 @@ class KVCacheManager:
 
         A hit covers at most `num_tokens - 1` tokens: the last token is always computed, since
         its logits are needed to sample. The blocks are not yet referenced; pass them to
-        `allocate_slots` in the same step.
+        `allocate_slots` in the same step. Counts nothing: the scheduler calls
+        `record_prefix_cache_stats` once the request is admitted.
         """
         if not self.enable_caching:
             return self.empty_blocks(), 0
@@ -89,9 +110,16 @@ class KVCacheManager:
         computed_blocks, num_computed_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_computed_tokens
         return KVCacheBlocks(computed_blocks), num_computed_tokens
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Counts the lookup of a request just admitted with `num_hits` cached tokens (from
+        `get_computed_blocks`): in the `preempted_*` counters if it was ever preempted. Nothing
+        is counted while prefix caching is off."""
+        if self.enable_caching:
+            self.prefix_cache_stats.record(
+                request.num_tokens, num_hits, preempted=request.num_preemptions > 0
+            )
 
     def allocate_slots(
         self,

@@ -122,7 +122,7 @@ class DataParallelCoreClient:
         self._raise_if_dead()
         if request.request_id in self._request_id_to_placement:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        core = self.router.route(request.prompt_token_ids)
+        core = self.router.route(request.prompt_token_ids, request.sampling_params.cache_salt)
         load_tokens = len(request.prompt_token_ids)
         try:
             output_queue = self.cores[core].add_request(request)

@@ -85,9 +85,12 @@ class PrefixAwareRouter:
     def num_cores(self) -> int:
         return len(self.mirrors)
 
-    def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """The compact hashes of the prompt's full blocks, as its core will cache them."""
-        hashes = prompt_block_hashes(prompt_token_ids, self.block_size, self.seed)
+    def block_hashes(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[int]:
+        """The compact hashes of the prompt's full blocks, as its core will cache them for a
+        request with `cache_salt` (`SamplingParams.cache_salt`)."""
+        hashes = prompt_block_hashes(prompt_token_ids, self.block_size, self.seed, cache_salt)
         return [compact_block_hash(block_hash) for block_hash in hashes]
 
     def choose(self, hashes: Sequence[int], num_prompt_tokens: int) -> int:
@@ -102,10 +105,11 @@ class PrefixAwareRouter:
 
         return min(range(self.num_cores), key=cost)
 
-    def route(self, prompt_token_ids: Sequence[int]) -> int:
-        """Chooses the prompt's core and records it there: its blocks as (soon) cached, its
-        tokens as load. Call `finished` with the same core when the request ends."""
-        hashes = self.block_hashes(prompt_token_ids)
+    def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Chooses the prompt's core and records it there: its blocks (salted by `cache_salt`)
+        as (soon) cached, its tokens as load. Call `finished` with the same core when the
+        request ends."""
+        hashes = self.block_hashes(prompt_token_ids, cache_salt)
         core = self.choose(hashes, len(prompt_token_ids))
         self.mirrors[core].add(hashes)
         self.load_tokens[core] += len(prompt_token_ids)

@@ -89,6 +89,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     # The token sequences of bad_words (the frontend's tokenizer fills them in); a request's
     # next token is banned when it would complete one of them.
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # Mixed into the hash of the prompt's first KV block, so only requests with the same salt
+    # share prefix-cache entries (one tenant cannot time another's prompts).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Messages are formatted only on failure: this runs in every process a request crosses.
@@ -152,6 +155,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise ValueError(
+                f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}"
+            )
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """ValueError for a stop or biased token id the model cannot produce; the engine checks

@@ -116,22 +116,54 @@ def test_decode_appends_blocks_as_tokens_arrive():
     assert manager.allocate_slots(request, 1).get_block_ids() == ([2],)
 
 
-def test_prefix_cache_stats_in_tokens():
+def test_prefix_cache_stats_count_recorded_admissions_in_tokens():
+    """A lookup counts nothing by itself; each recorded admission counts once, in the
+    preempted_* counters for a request that was preempted before."""
     manager = make_manager()
     prompt = list(range(40))
-    compute_fully(manager, make_request("a", prompt, block_size=BLOCK))
-    manager.get_computed_blocks(make_request("b", prompt, block_size=BLOCK))
+    first = make_request("a", prompt, block_size=BLOCK)
+    manager.record_prefix_cache_stats(first, compute_fully(manager, first)[1])
+    waiting = make_request("b", prompt, block_size=BLOCK)
+    for _ in range(3):  # looked up each step it waits
+        _, num_hit = manager.get_computed_blocks(waiting)
+    manager.record_prefix_cache_stats(waiting, num_hit)
+    resumed = make_request("c", prompt, block_size=BLOCK)
+    resumed.num_preemptions = 1
+    manager.record_prefix_cache_stats(resumed, manager.get_computed_blocks(resumed)[1])
     stats = manager.prefix_cache_stats
-    assert (stats.queries, stats.hits) == (80, 32)
+    assert (stats.requests, stats.queries, stats.hits) == (2, 80, 32)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 40, 32)
 
 
 def test_caching_disabled_never_hits():
     manager = make_manager(enable_caching=False)
     prompt = list(range(40))
     compute_fully(manager, make_request("a", prompt, block_size=BLOCK))
-    _, num_hit = manager.get_computed_blocks(make_request("b", prompt, block_size=BLOCK))
+    second = make_request("b", prompt, block_size=BLOCK)
+    _, num_hit = manager.get_computed_blocks(second)
+    manager.record_prefix_cache_stats(second, num_hit)
     assert num_hit == 0
     assert len(manager.block_pool.cached_block_hash_to_block) == 0
+    assert manager.prefix_cache_stats.requests == 0  # no lookup, nothing counted
+
+
+def test_a_cache_salt_separates_prefix_cache_entries():
+    """Same prompt: hits within one salt, none across two salts or salted and unsalted."""
+    manager = make_manager()
+    prompt = list(range(40))  # 2 full blocks
+
+    def salted_request(salt):
+        return make_request(str(salt), prompt, block_size=BLOCK, cache_salt=salt)
+
+    for salt in (None, "tenant-a", "tenant-b"):
+        _, num_hit, _ = compute_fully(manager, salted_request(salt))
+        assert num_hit == 0, salt
+    for salt in (None, "tenant-a", "tenant-b"):
+        _, num_hit = manager.get_computed_blocks(salted_request(salt))
+        assert num_hit == 32, salt
+    unsalted, salted = salted_request(None), salted_request("tenant-a")
+    assert salted.block_hashes[0] != unsalted.block_hashes[0]
+    assert salted.block_hashes[1] != unsalted.block_hashes[1]  # chained from the first
 
 
 def test_allocation_is_capped_at_max_model_len():

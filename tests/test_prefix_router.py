@@ -36,6 +36,19 @@ def test_the_frontend_computes_the_hashes_a_core_with_the_same_seed_caches():
     assert len(other_seed) == 3 and set(other_seed).isdisjoint(request.block_hashes)
 
 
+def test_the_frontend_computes_the_salted_hashes_a_core_caches_for_a_salted_prompt():
+    prompt = list(range(1, 15))
+    salted = make_request("a", prompt, block_size=BLOCK, cache_salt="tenant-a")
+    assert prompt_block_hashes(prompt, BLOCK, NONE_HASH, "tenant-a") == salted.block_hashes
+    router = PrefixAwareRouter(2, BLOCK, NONE_HASH, capacity=100)
+    core_hashes = [compact_block_hash(h) for h in salted.block_hashes]
+    assert router.block_hashes(prompt, "tenant-a") == core_hashes
+    unsalted = prompt_block_hashes(prompt, BLOCK, NONE_HASH)
+    other_salt = prompt_block_hashes(prompt, BLOCK, NONE_HASH, "tenant-b")
+    assert set(salted.block_hashes).isdisjoint(unsalted)  # every block, not just the first
+    assert set(salted.block_hashes).isdisjoint(other_salt)
+
+
 def test_a_seed_in_the_environment_fixes_the_chain_and_bad_text_is_named(monkeypatch):
     seed = bytes(range(16))
     code = "from common.block_hash import NONE_HASH; print(NONE_HASH.hex())"
@@ -112,6 +125,22 @@ def test_a_repeated_prefix_goes_to_the_core_that_holds_it():
         core = router.route([*shared, suffix])
         assert core == first
         router.finished(core, 41)
+
+
+def test_a_salted_prompt_routes_by_its_salted_prefix():
+    router = make_router()
+    shared = list(range(100, 140))  # 10 blocks
+    salted_core = router.route([*shared, 1], "tenant-a")
+    router.finished(salted_core, 41)
+    # The same tokens unsalted or under another salt share nothing with the cached prefix:
+    # idle cores tie, and the tie goes to the core chosen least recently.
+    assert router.route([*shared, 2]) != salted_core
+    router.finished(1 - salted_core, 41)
+    assert router.route([*shared, 3], "tenant-b") == salted_core  # least recent again, no prefix
+    router.finished(salted_core, 41)
+    assert router.mirrors[salted_core].matched_blocks(router.block_hashes(shared)) == 0
+    # The salt's own prompt goes back to its prefix, though that core was chosen last.
+    assert router.route([*shared, 4], "tenant-a") == salted_core
 
 
 def test_unrelated_prompts_spread_over_idle_cores_and_go_to_the_least_loaded():
