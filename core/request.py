@@ -6,14 +6,19 @@ import enum
 import time
 from collections.abc import Iterable
 
-from common.block_hash import BlockHash, hash_block_tokens
+from common.block_hash import BlockHash, block_extra_keys, hash_block_tokens
 from proto import FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered so that every status after PREEMPTED is a finished one."""
+    """Ordered so that every status after PREEMPTED is a finished one.
+
+    WAITING_FOR_FSM: a constrained request whose grammar the workers are still compiling; it
+    holds no blocks and joins the waiting queue (as WAITING) once rank 0 reports it ready.
+    """
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -42,7 +47,8 @@ class Request:
     """Prompt plus generated tokens, with the chained hashes of every full block.
 
     Invariant: `len(block_hashes) == num_tokens // block_size`; hashes are appended as tokens
-    arrive, each chained to the previous one. `num_computed_tokens` counts tokens whose KV is
+    arrive, each chained to the previous one, the first keyed by `sampling_params.cache_salt`
+    too (`common.block_hash.block_extra_keys`). `num_computed_tokens` counts tokens whose KV is
     in the cache (or scheduled to be written this step).
     """
 
@@ -118,11 +124,13 @@ class Request:
 
     def _update_block_hashes(self) -> None:
         size = self.block_size
+        cache_salt = self.sampling_params.cache_salt
         while (len(self.block_hashes) + 1) * size <= self.num_tokens:
             start = len(self.block_hashes) * size
             parent = self.block_hashes[-1] if self.block_hashes else None
+            token_ids = self._all_token_ids[start : start + size]
             self.block_hashes.append(
-                hash_block_tokens(parent, self._all_token_ids[start : start + size])
+                hash_block_tokens(parent, token_ids, block_extra_keys(start, cache_salt))
             )
 
     def __lt__(self, other: Request) -> bool:

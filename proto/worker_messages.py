@@ -15,9 +15,9 @@ import msgspec
 
 from proto.engine_config import EngineConfig
 from proto.engine_messages import TokenLogprobs
-from proto.sampling_params import SamplingParams
+from proto.sampling_params import SamplingParams, StructuredOutputs
 
-WORKER_PROTOCOL_VERSION = 1
+WORKER_PROTOCOL_VERSION = 2
 """Raised whenever a message of this link changes shape (EngineConfig included): a worker on
 another host runs its own copy of the engine, and the core admits only its own version."""
 
@@ -57,6 +57,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     of `num_scheduled_tokens` names exactly one entry of `scheduled_new_reqs` or
     `scheduled_cached_reqs`. Requests held by a worker but absent from this step (preempted, or
     simply not scheduled) stay cached on the worker until listed in `finished_req_ids`.
+
+    `grammars_to_prepare`: the output constraints of requests that arrived since the last step,
+    by request id, sent once each: every rank starts compiling them at once, without waiting.
+    Such a request is scheduled only after rank 0 reports its grammar in
+    `ModelRunnerOutput.grammars_ready` (a step with no tokens but grammars still compiling is
+    answered when one finishes, or after a short wait, so an idle core does not spin).
     """
 
     scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
@@ -65,6 +71,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+    grammars_to_prepare: dict[str, StructuredOutputs] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -78,6 +85,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     gets an empty list (its sample is discarded). `logprobs[i]` is set iff the request asked.
     `request_errors` names requests the worker cannot serve (e.g. a grammar that does not
     compile) with the reason; the scheduler finishes them with an error, the engine goes on.
+    `grammars_ready` names requests of `SchedulerOutput.grammars_to_prepare` whose grammar has
+    compiled since the last report (each reported once; a failed compile is a request error).
     `prompt_logprobs[req_id]` are the logprobs of the prompt tokens this step's chunk predicts,
     in order, for requests that asked for them.
     """
@@ -87,6 +96,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     logprobs: list[TokenLogprobs | None] | None = None
     request_errors: dict[str, str] = msgspec.field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+    grammars_ready: list[str] = msgspec.field(default_factory=list)
 
 
 class WorkerReady(msgspec.Struct, array_like=True, gc=False):

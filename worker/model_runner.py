@@ -26,6 +26,10 @@ from worker.structured_outputs import StructuredOutputManager
 # Prompt positions whose logits are computed at once for prompt logprobs (a bound on the
 # [rows, vocab] float32 tensor a long prompt would otherwise need in one piece).
 PROMPT_LOGPROBS_ROWS = 256
+# How long a step with no tokens waits for a grammar still compiling before it answers: the
+# engine core, whose only requests wait for their grammars, learns of one within this long of
+# its compile ending, and spins at most this often meanwhile.
+GRAMMAR_WAIT_S = 0.05
 
 
 # One step's attention metadata: one for every layer, or (a model with several KV cache groups)
@@ -71,7 +75,9 @@ class ModelRunner:
     Contract: `execute_model` accepts the `SchedulerOutput` diffs of one scheduler in order.
     Every request the scheduler lists as cached must have arrived as new before and not be
     finished. A request held but not scheduled this step (preempted or skipped) leaves the batch
-    and keeps its state until it comes back or is listed in `finished_req_ids`.
+    and keeps its state until it comes back or is listed in `finished_req_ids`. A constrained
+    request's grammar is compiled from `grammars_to_prepare`, before the request is scheduled; a
+    step reports the compiles that ended (see `worker.structured_outputs`).
     """
 
     def __init__(
@@ -118,7 +124,7 @@ class ModelRunner:
         """Runs one step; returns one entry per scheduled request, in batch row order."""
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return self._report_compiled_grammars(ModelRunnerOutput(), wait_s=GRAMMAR_WAIT_S)
         if not self.kv_caches:
             raise RuntimeError("execute_model called before initialize_kv_cache")
         inputs = self._prepare_inputs(scheduler_output)
@@ -127,7 +133,7 @@ class ModelRunner:
         )
         output = self._sample(hidden_states, inputs)
         output.prompt_logprobs = self._prompt_logprobs(hidden_states, inputs)
-        return output
+        return self._report_compiled_grammars(output)
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> None:
@@ -177,6 +183,8 @@ class ModelRunner:
             batch.remove_request(req_id)
             if self.structured_outputs is not None:
                 self.structured_outputs.remove_request(req_id)
+        for req_id, constraint in scheduler_output.grammars_to_prepare.items():
+            self._structured_outputs().add_request(req_id, constraint)
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in list(batch.req_id_to_row):
             if req_id not in scheduled:
@@ -202,7 +210,8 @@ class ModelRunner:
         self.requests[new_req.req_id] = state
         self.input_batch.add_request(state)
         constraint = new_req.sampling_params.structured_outputs
-        if constraint is not None:
+        # Normally prepared (and compiled) before the request was scheduled: keep that grammar.
+        if constraint is not None and new_req.req_id not in self._structured_outputs().requests:
             self._structured_outputs().add_request(new_req.req_id, constraint)
 
     def _update_cached_request(self, cached_req: CachedRequestData) -> None:
@@ -318,6 +327,21 @@ class ModelRunner:
             logprobs=logprobs,
             request_errors=request_errors,
         )
+
+    def _report_compiled_grammars(
+        self, output: ModelRunnerOutput, wait_s: float = 0.0
+    ) -> ModelRunnerOutput:
+        """`output` with the grammars whose compile ended since the last report: compiled ones
+        in `grammars_ready`, failed ones in `request_errors`. Waits up to `wait_s` for one when
+        any is still compiling."""
+        manager = self.structured_outputs
+        if manager is None or not manager.has_compiles_to_report:
+            return output
+        if wait_s > 0:
+            manager.wait_for_compile(wait_s)
+        output.grammars_ready, errors = manager.take_compiled()
+        output.request_errors.update(errors)
+        return output
 
     def _prompt_logprobs(
         self, hidden_states: torch.Tensor, inputs: StepInputs

@@ -1,12 +1,30 @@
 """`StructuredOutputManager`: each constrained request's grammar matcher, where the logits are.
 
-A request whose `SamplingParams.structured_outputs` is set gets its grammar compiled against the
-model's vocabulary on a background thread as soon as it arrives (compiled grammars are cached by
-constraint, so a repeated schema costs nothing), while the forward pass runs. When the request
-samples, its matcher fills one row of a token bitmask and the logits of every disallowed token
-become -inf, for all constrained rows of the step at once. The matcher advances with the tokens
-the scheduler sends back (`CachedRequestData.new_token_ids`), which are the tokens every rank
-holds, so every tensor-parallel rank masks alike.
+A grammar is compiled against the model's vocabulary on a background thread, and a request
+waits outside the batch while it compiles, so a slow schema (seconds for a large one) stalls
+only its own request. The scheduler keeps a new constrained request in WAITING_FOR_FSM, holding
+no blocks, and sends its constraint once in `SchedulerOutput.grammars_to_prepare`; every rank
+starts the compile without waiting (`add_request`; compiled grammars are cached by constraint,
+so a repeated schema costs nothing) and, after each step, reports the compiles that finished
+(`take_compiled`: `ModelRunnerOutput.grammars_ready`, or a request error naming the problem).
+The scheduler admits a request only after that report. A step with no tokens while grammars
+compile (the only requests are waiting for theirs) is answered when one finishes or after
+`wait_for_compile`'s short timeout, so an idle engine core learns of readiness without spinning.
+
+Why the worker compiles, not the frontend: the compiled grammar is built from the worker's own
+vocabulary and never crosses a process boundary (xgrammar 0.2 can serialize one, but as JSON of
+up to megabytes: 1.8 MB for a two-field schema on SmolLM2's vocabulary, to send to every rank
+with the request), a raw client that bypasses the frontend's check is still served, and
+`core/` stays free of xgrammar, which loads torch.
+With tensor parallelism rank 0's report is the one the scheduler acts on, so every rank follows
+the same decision: a rank whose own compile is still running when the request is scheduled
+waits for it in that step (they started together), and a request that fails on rank 0 is
+finished everywhere through `finished_req_ids`.
+
+When the request samples, its matcher fills one row of a token bitmask and the logits of every
+disallowed token become -inf, for all constrained rows of the step at once. The matcher
+advances with the tokens the scheduler sends back (`CachedRequestData.new_token_ids`), which
+are the tokens every rank holds, so every tensor-parallel rank masks alike.
 
 Once the grammar is complete only the model's eos ids are allowed. A matcher that refuses a token
 (which masking prevents; a logit bias of -100 on every allowed token is one way to force it) stops
@@ -19,7 +37,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +69,9 @@ class ConstrainedRequest:
 class StructuredOutputManager:
     """Grammar matchers of one worker's constrained requests; not thread-safe (the step's thread).
 
+    Invariant: every request not yet reported by `take_compiled` is in `requests` (it leaves
+    both through `remove_request`).
+
     The tokenizer description xgrammar needs is read from the model files on the first
     constrained request, so an engine that never sees one never imports xgrammar.
     """
@@ -60,16 +81,49 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.requests: dict[str, ConstrainedRequest] = {}
+        # Requests whose compile the scheduler has not been told about yet (see take_compiled).
+        self._unreported_req_ids: set[str] = set()
         self._compiler: Any = None
         self._cache: OrderedDict[bytes, Future] = OrderedDict()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     def add_request(self, req_id: str, constraint: StructuredOutputs) -> None:
-        """Starts compiling `constraint` (or reuses its cached grammar) for a new request."""
+        """Starts compiling `constraint` (or reuses its cached grammar) for a new request, and
+        returns at once; `take_compiled` reports it once the compile is over."""
         self.requests[req_id] = ConstrainedRequest(self._compiled(constraint))
+        self._unreported_req_ids.add(req_id)
 
     def remove_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+        self._unreported_req_ids.discard(req_id)
+
+    @property
+    def has_compiles_to_report(self) -> bool:
+        return bool(self._unreported_req_ids)
+
+    def take_compiled(self) -> tuple[list[str], dict[str, str]]:
+        """The requests whose compile finished since the last call: the ids that compiled, and
+        the ids that failed with the reason (those are dropped here). Never waits."""
+        ready_req_ids: list[str] = []
+        errors: dict[str, str] = {}
+        for req_id in sorted(self._unreported_req_ids):
+            compiled = self.requests[req_id].compiled
+            if not compiled.done():
+                continue
+            self._unreported_req_ids.discard(req_id)
+            exc = compiled.exception()
+            if exc is None:
+                ready_req_ids.append(req_id)
+            else:  # a bad constraint from a raw client: fail that request
+                errors[req_id] = f"structured_outputs: {exc}"
+                self.remove_request(req_id)
+        return ready_req_ids, errors
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        """Returns when a compile not yet reported is over, or after `timeout_s`."""
+        futures = [self.requests[r].compiled for r in self._unreported_req_ids]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def accept_tokens(self, req_id: str, token_ids: Sequence[int]) -> None:
         """Advances the request's matcher over tokens the scheduler kept for it."""
@@ -88,7 +142,7 @@ class StructuredOutputManager:
                     req_id,
                     token_id,
                 )
-                self.requests.pop(req_id)
+                self.remove_request(req_id)
                 return
 
     def mask_logits(self, logits: torch.Tensor, req_ids: Sequence[str]) -> dict[str, str]:
@@ -105,7 +159,7 @@ class StructuredOutputManager:
                 self._ensure_matcher(req_id)
             except Exception as exc:  # a bad constraint from a raw client: fail that request
                 errors[req_id] = f"structured_outputs: {exc}"
-                self.requests.pop(req_id)
+                self.remove_request(req_id)
                 continue
             if req_id in self.requests:  # still constrained after replaying its tokens
                 rows.append(row)
@@ -120,8 +174,8 @@ class StructuredOutputManager:
         return errors
 
     def _ensure_matcher(self, req_id: str) -> None:
-        """Makes the request's matcher on first use, waiting for its grammar if need be, and
-        replays the tokens that arrived before it."""
+        """Makes the request's matcher on first use, waiting for its grammar if need be (a rank
+        whose compile lags rank 0's), and replays the tokens that arrived before it."""
         request = self.requests[req_id]
         if request.matcher is None:
             request.matcher = xgrammar().GrammarMatcher(request.compiled.result())
