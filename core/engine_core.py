@@ -138,6 +138,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         enable_prefix_caching=config.enable_prefix_caching,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         policy=config.policy,
+        enable_chunked_prefill=config.enable_chunked_prefill,
     )
     kv_cache_config = KVCacheConfig.for_layers(
         readies[0].layer_sliding_windows,
@@ -153,6 +154,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         scheduler_config.max_num_batched_tokens,
         min(r.vocab_size for r in readies),
         list(readies[0].eos_token_ids),
+        scheduler_config.policy,
     )
     return EngineCore(Scheduler(scheduler_config, kv_cache_config), executor), ready
 

@@ -21,6 +21,7 @@ from proto import (
     SchedulerOutput,
     SchedulerStats,
 )
+from proto.sampling_params import StructuredOutputs
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -44,9 +45,14 @@ class Scheduler:
     Each request has `num_computed_tokens` and `num_tokens`; a step hands out tokens from
     `max_num_batched_tokens`, running requests first (in order), then waiting ones (up to
     `max_num_seqs` running). Prompts are chunked by the budget and by
-    `long_prefill_token_threshold`. When KV blocks run out, the last running request (FCFS)
-    or the lowest-priority one is preempted by recompute, and no waiting request is admitted
-    in that step. `num_computed_tokens` is advanced when a step is scheduled.
+    `long_prefill_token_threshold` (never, with `enable_chunked_prefill` off). When KV blocks
+    run out, the last running request (FCFS) or the lowest-priority one is preempted by
+    recompute, and no waiting request is admitted in that step. `num_computed_tokens` is
+    advanced when a step is scheduled.
+
+    A constrained request is not scheduled, and holds no blocks, until the workers report its
+    grammar compiled (WAITING_FOR_FSM, see `add_request`): a slow compile stalls only its own
+    request, and a failed one finishes it with an error.
 
     `kv_cache_config` gives the KV cache groups of a hybrid model (one full-attention group
     otherwise); the workers get every group's block ids.
@@ -70,6 +76,10 @@ class Scheduler:
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        # Constrained requests whose grammar the workers are compiling (WAITING_FOR_FSM), outside
+        # `waiting` so the waiting pass never sees them; the ids whose constraint is not sent yet.
+        self.waiting_for_fsm: dict[str, Request] = {}
+        self._grammars_to_send: list[str] = []
         self._num_tokens_sent: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -80,13 +90,21 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queues a request. Raises ValueError, leaving the scheduler untouched, for a request
-        that can never run (empty prompt, prompt longer than max_model_len, duplicate id)."""
+        that can never run (empty prompt, prompt longer than max_model_len, duplicate id).
+
+        A request with an output constraint waits in `waiting_for_fsm` (WAITING_FOR_FSM) while
+        the workers compile its grammar, and joins `waiting` when rank 0 reports it ready."""
         problem = self._find_rejection(request)
         if problem is not None:
             request.status = RequestStatus.FINISHED_IGNORED
             raise ValueError(problem)
         self.requests[request.request_id] = request
-        self.waiting.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_fsm[request.request_id] = request
+            self._grammars_to_send.append(request.request_id)
+        else:
+            self.waiting.add_request(request)
         self.num_prompt_tokens += request.num_prompt_tokens
 
     def _find_rejection(self, request: Request) -> str | None:
@@ -114,7 +132,10 @@ class Scheduler:
         if running:
             running_ids = {id(r) for r in running}
             self.running = [r for r in self.running if id(r) not in running_ids]
-        self.waiting.remove_requests(r for r in to_finish if r.status != RequestStatus.RUNNING)
+        for request in to_finish:
+            self.waiting_for_fsm.pop(request.request_id, None)
+        queued = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self.waiting.remove_requests(r for r in to_finish if r.status in queued)
         for request in to_finish:
             request.status = finished_status
             self._free_request(request)
@@ -125,8 +146,28 @@ class Scheduler:
         self._num_tokens_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
 
+    def _take_grammars_to_prepare(self) -> dict[str, StructuredOutputs]:
+        """The constraints of WAITING_FOR_FSM requests not yet sent to the workers (each is sent
+        once; one finished before it was sent is skipped)."""
+        grammars = {
+            request_id: self.waiting_for_fsm[request_id].sampling_params.structured_outputs
+            for request_id in self._grammars_to_send
+            if request_id in self.waiting_for_fsm
+        }
+        self._grammars_to_send.clear()
+        return grammars
+
+    def _admit_ready_grammars(self, request_ids: list[str]) -> None:
+        """Moves requests whose grammar rank 0 reports compiled to the waiting queue; ids that
+        finished meanwhile (or are unknown) are ignored."""
+        for request_id in request_ids:
+            request = self.waiting_for_fsm.pop(request_id, None)
+            if request is not None:
+                request.status = RequestStatus.WAITING
+                self.waiting.add_request(request)
+
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.waiting_for_fsm) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -155,6 +196,14 @@ class Scheduler:
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
         return min(num_new_tokens, budget)
+
+    def _may_start(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """Without chunked prefill, a waiting request starts only with all its tokens: a prompt
+        the step's remaining budget cannot hold waits (and the requests behind it) for a step
+        that can, rather than being split."""
+        if self.config.enable_chunked_prefill:
+            return True
+        return num_new_tokens == request.num_tokens - num_computed_tokens
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
@@ -217,10 +266,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
 
+    @staticmethod
+    def _reads_prefix_cache(request: Request) -> bool:
+        """False for a request that wants prompt logprobs: those need the logits of every
+        prompt token, which cached blocks do not have."""
+        return request.sampling_params.prompt_logprobs is None
+
     def _computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Prefix-cache hits, except for a request that wants prompt logprobs: those need the
-        logits of every prompt token, which cached blocks do not have."""
-        if request.sampling_params.prompt_logprobs is not None:
+        """Prefix-cache hits, for a request that reads the prefix cache."""
+        if not self._reads_prefix_cache(request):
             return self.kv_cache_manager.empty_blocks(), 0
         return self.kv_cache_manager.get_computed_blocks(request)
 
@@ -233,11 +287,16 @@ class Scheduler:
             num_new_tokens = self._num_tokens_to_schedule(
                 request, num_computed_tokens, plan.token_budget
             )
+            if not self._may_start(request, num_computed_tokens, num_new_tokens):
+                break
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, num_computed_tokens, computed_blocks
             )
             if new_blocks is None:
                 break
+            # Counted on admission only: a request looked up again each step it waits counts once.
+            if self._reads_prefix_cache(request):
+                self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
             self.waiting.pop_request()
             self.running.append(request)
             if request.status == RequestStatus.PREEMPTED:
@@ -270,6 +329,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             preempted_req_ids=[r.request_id for r in plan.preempted_reqs],
+            grammars_to_prepare=self._take_grammars_to_prepare(),
         )
 
     def _new_request_data(self, request: Request, plan: _StepPlan) -> NewRequestData:
@@ -303,13 +363,15 @@ class Scheduler:
         """Appends sampled tokens, applies stop conditions and frees finished requests.
 
         Tokens for requests that were aborted while the step ran are dropped; requests the
-        worker reports in `request_errors` finish with an ERROR output.
+        worker reports in `request_errors` finish with an ERROR output (a grammar that failed
+        to compile among them); those in `grammars_ready` leave WAITING_FOR_FSM for `waiting`.
         """
         outputs = []
         for request_id, message in model_runner_output.request_errors.items():
             if request_id in self.requests:
                 self.finish_requests(request_id, RequestStatus.FINISHED_IGNORED)
                 outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=message))
+        self._admit_ready_grammars(model_runner_output.grammars_ready)
         for request_id, prompt_logprobs in model_runner_output.prompt_logprobs.items():
             request = self.requests.get(request_id)
             if request is not None and request.prompt_logprobs is not None:
@@ -356,8 +418,8 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """Sets a finished status if the request's last token ends it.
 
-        From min_tokens on, eos (unless ignore_eos) and stop_token_ids first, as in the seeds'
-        `check_stop`: a request whose last allowed token is eos finished because of the eos.
+        From min_tokens on, eos (unless ignore_eos) and stop_token_ids are checked before the
+        length limits: a request whose last allowed token is eos finished because of the eos.
         Then the length limits (max_tokens, max_model_len).
         """
         params = request.sampling_params
@@ -382,10 +444,14 @@ class Scheduler:
         prefix_stats = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits,
+            prefix_cache_requests=prefix_stats.requests,
+            prefix_cache_preempted_requests=prefix_stats.preempted_requests,
+            prefix_cache_preempted_queries=prefix_stats.preempted_queries,
+            prefix_cache_preempted_hits=prefix_stats.preempted_hits,
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.math_utils import cdiv
-
-POLICIES = ("fcfs", "priority")
+from proto.engine_config import POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +14,8 @@ class SchedulerConfig:
 
     `long_prefill_token_threshold` caps the tokens one prompt gets per step (0 = only the
     budget caps it), so a long prompt cannot starve running decodes.
+    `enable_chunked_prefill` False: a prompt is never split over steps; it waits for a step
+    whose remaining budget holds all of it, so the budget must hold max_model_len tokens.
     """
 
     max_num_seqs: int = 256
@@ -25,6 +26,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -37,6 +39,8 @@ class SchedulerConfig:
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not self.enable_chunked_prefill:
+            self._check_unchunked_prefill()
         num_blocks_per_max_len_request = cdiv(self.max_model_len, self.block_size)
         if self.num_gpu_blocks - 1 < num_blocks_per_max_len_request:
             raise ValueError(
@@ -44,6 +48,21 @@ class SchedulerConfig:
                 f"{self.max_model_len} tokens ({num_blocks_per_max_len_request} blocks of "
                 f"{self.block_size} plus the null block); lower max_model_len or give the KV "
                 "cache more memory"
+            )
+
+    def _check_unchunked_prefill(self) -> None:
+        if self.long_prefill_token_threshold:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} chunks long "
+                "prompts, which enable_chunked_prefill=False forbids"
+            )
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len="
+                f"{self.max_model_len}: with enable_chunked_prefill=False a prompt is prefilled "
+                "in one step, so the step budget must be at least max_model_len; raise "
+                f"max_num_batched_tokens to {self.max_model_len}, lower max_model_len, or "
+                "enable chunked prefill"
             )
 
 

@@ -4,11 +4,14 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent even
 `data: [DONE]` with `stream: true`), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize
 and /detokenize, GET /version, /health and /metrics (Prometheus text). Every error uses OpenAI's
 body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid parameters (a body that
-is not JSON included), 401 for a bad API key, 404 for an unknown model or route, 405 for a wrong
+is not JSON included, and text UTF-8 cannot encode anywhere in a body, named by its JSON path
+such as `stop[0]`), 401 for a bad API key, 404 for an unknown model or route, 405 for a wrong
 method, 413 for a body over `--max-request-body-bytes`, 500 for a bug or a request the engine
 failed (a worker died), 503 once the engine is dead or the server is shutting down. A stream that
 fails the same way ends with such an error event before `data: [DONE]`.
 A streaming client that disconnects has its requests aborted, which frees their KV blocks.
+`priority` (both endpoints) orders requests under `--policy priority` (lower first); any value
+but 0 is a 400 under fcfs.
 How the app is run (port, signals, engine death) is `frontend.http_server`'s.
 """
 
@@ -42,7 +45,7 @@ from frontend.async_engine_client import (
     ServiceStoppedError,
 )
 from frontend.body_limit import BodySizeLimit
-from frontend.core_client import EngineDeadError
+from frontend.core_client import EngineCoreNotFoundError, EngineDeadError
 from frontend.data_parallel_client import sum_stats
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.openai_logprobs import (
@@ -52,6 +55,7 @@ from frontend.openai_logprobs import (
     vllm_prompt_logprobs,
 )
 from frontend.openai_protocol import (
+    TEXT_NOT_UTF8,
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -79,7 +83,7 @@ from frontend.openai_protocol import (
 )
 from frontend.request_output import CompletionOutput, RequestOutput
 from frontend.tool_calls import ToolChoiceError, ToolPlan, plan_tools
-from proto import SamplingParams
+from proto import SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -95,6 +99,14 @@ HTTP_ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+}
+UNENCODABLE_ERROR_BODY = {
+    "error": {
+        "message": "the error's message could not be encoded (the server's log has it)",
+        "type": "internal_error",
+        "param": None,
+        "code": None,
+    }
 }
 
 
@@ -142,7 +154,8 @@ def build_app(
 
     `app.state.engine` is the `AsyncEngineClient` once it is ready. Setting the event
     `app.state.stop_requested` during start-up abandons it (the core is stopped, and
-    `app.state.engine` stays None) instead of waiting for the model to load.
+    `app.state.engine` stays None) instead of waiting for the model to load. When no core
+    connects to `address`, `app.state.start_failure` says so and the engine stays None.
     """
 
     @contextlib.asynccontextmanager
@@ -150,6 +163,10 @@ def build_app(
         engine = AsyncEngineClient(engine_config, address, model_name=settings.served_model_name)
         try:
             started = await _start_unless_stopped(engine, app.state.stop_requested)
+        except EngineCoreNotFoundError as exc:  # its message says what to do: no traceback
+            await engine.shutdown()
+            app.state.start_failure = str(exc)
+            started = False
         except BaseException:
             await engine.shutdown()
             raise
@@ -172,6 +189,7 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_request_body_bytes)
     app.state.settings = settings
     app.state.engine = None
+    app.state.start_failure = None  # why an attached engine never started (see lifespan)
     app.state.stop_requested = asyncio.Event()
     _add_error_handlers(app)
     _add_routes(app, settings)
@@ -260,8 +278,13 @@ def _add_routes(app: FastAPI, settings: ServerSettings) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
+        """Prometheus text. Once the engine is dead its scheduler reads as empty, and the
+        frontend's counters (requests by how they ended: what failed, and how many) stay."""
         engine = _engine(request)
-        per_core = await engine.get_stats_per_core()
+        try:
+            per_core = await engine.get_stats_per_core()
+        except EngineDeadError:
+            per_core = [SchedulerStats()]
         stats = sum_stats(per_core)
         text = engine.metrics.render_prometheus(stats, per_core)
         return Response(text, media_type=METRICS_CONTENT_TYPE)
@@ -357,7 +380,7 @@ async def _create_completion(
     prompts = body.prompts()
     token_ids = [await _tokenize(engine, prompt) for prompt in prompts]
     streams = [
-        _submit(engine, prompt, params, f"{request_id}-{index}", body.stream, "prompt", ids)
+        _submit(engine, body, prompt, params, f"{request_id}-{index}", "prompt", ids)
         for index, (prompt, ids) in enumerate(zip(prompts, token_ids, strict=True))
     ]
     if body.stream:
@@ -472,7 +495,7 @@ async def _create_chat_completion(
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
     request_id = random_id("chatcmpl")
     model_name = settings.served_model_name
-    stream = _submit(engine, prompt_token_ids, params, request_id, body.stream, "messages")
+    stream = _submit(engine, body, prompt_token_ids, params, request_id, "messages")
     if body.stream:
         events = _chat_events(engine, body, plan, stream, request_id, model_name)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -626,17 +649,23 @@ async def _tokenize(engine: AsyncEngineClient, prompt: Prompt) -> list[int]:
 
 def _submit(
     engine: AsyncEngineClient,
+    body: CompletionRequest | ChatCompletionRequest,
     prompt: Prompt,
     params: SamplingParams,
     request_id: str,
-    stream: bool,
     prompt_param: str,
     prompt_token_ids: list[int] | None = None,
 ) -> AsyncIterator[RequestOutput]:
-    """Validates and registers one request; maps its refusals to 400 and a dead engine to 503."""
+    """Validates and registers one request of `body` (streamed or not, at its priority); maps
+    its refusals to 400 and a dead engine to 503."""
     try:
         return engine.generate(
-            prompt, params, request_id, stream=stream, prompt_token_ids=prompt_token_ids
+            prompt,
+            params,
+            request_id,
+            stream=body.stream,
+            priority=body.priority,
+            prompt_token_ids=prompt_token_ids,
         )
     except (EngineDeadError, ServiceStoppedError) as exc:
         raise unavailable_error(exc) from exc
@@ -769,6 +798,8 @@ def _prompt_text(engine: AsyncEngineClient, output: RequestOutput) -> str:
 def _validation_error(errors: Sequence[Any]) -> APIError:
     """400 naming the first invalid field, e.g. `max_tokens: Input should be >= 1`."""
     first = errors[0]
+    if first.get("type") == TEXT_NOT_UTF8:  # found before any field was read: named by path
+        return APIError(400, first["msg"], param=first["ctx"]["path"])
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     names = [part for part in first.get("loc", ()) if isinstance(part, str) and part != "body"]
     param = names[0] if names else None
@@ -783,7 +814,14 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
 
 
 def _error_json(exc: APIError) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=exc.info).model_dump(), status_code=exc.status_code)
+    """OpenAI's error body for `exc`; should building it fail, a fixed body of the same status,
+    so that an error is always answered as one (never as a crash of the handler)."""
+    try:
+        body = ErrorResponse(error=exc.info).model_dump()
+        return JSONResponse(body, status_code=exc.status_code)
+    except Exception:
+        logger.exception("cannot build the body of a %d error", exc.status_code)
+        return JSONResponse(UNENCODABLE_ERROR_BODY, status_code=exc.status_code)
 
 
 def _sse(response: BaseModel) -> str:

@@ -24,6 +24,7 @@ from frontend.null_tokenizer import NullTokenizer
 from frontend.output_processor import OutputProcessor
 from frontend.request_output import RequestOutput
 from frontend.structured_outputs import check_structured_outputs
+from frontend.unicode_text import describe_text_not_utf8
 from proto import EngineCoreOutput, FinishReason, SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
 from proto.sampling_params import StructuredOutputs
@@ -31,6 +32,8 @@ from proto.sampling_params import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+# The wire carries a request's priority as a msgpack int64.
+MIN_PRIORITY, MAX_PRIORITY = -(2**63), 2**63 - 1
 
 
 class InvalidPromptError(ValueError):
@@ -186,6 +189,24 @@ class AsyncEngineClient:
             return self.tokenizer.encode(rendered, add_special_tokens=False)
         return list(rendered)
 
+    def check_priority(self, priority: int) -> None:
+        """InvalidPromptError unless the engine core can honour `priority`: any int64 under the
+        "priority" policy (lower values run first), only 0 under "fcfs"."""
+        if not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise InvalidPromptError(
+                f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got "
+                f"{priority!r}",
+                param="priority",
+            )
+        policy = self._core.ready.policy
+        if priority != 0 and policy != "priority":
+            raise InvalidPromptError(
+                f"priority {priority} needs the engine's scheduling policy to be 'priority', but "
+                f"it is {policy!r}, under which every request has priority 0 (start the engine "
+                "with --policy priority, or policy='priority')",
+                param="priority",
+            )
+
     def check_prompt_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raises `InvalidPromptError` unless the prompt plus `max_tokens` fit the context window."""
         max_model_len = self.max_model_len
@@ -221,9 +242,15 @@ class AsyncEngineClient:
 
         `prompt_token_ids`: a text prompt's tokens when the caller already has them (from
         `tokenize_in_thread`), so they are not computed again here, on the event loop.
+        `priority`: under the "priority" policy, lower values are scheduled first (and
+        preempted last); any other value than 0 is refused under "fcfs" (`check_priority`).
         """
         self._raise_if_not_serving()
+        self.check_priority(priority)
         params = sampling_params if sampling_params is not None else SamplingParams()
+        for field, texts in (("stop", params.stop), ("bad_words", params.bad_words)):
+            for index, text in enumerate(texts):
+                _check_unicode(text, f"{field}[{index}]")
         if params.bad_words and not params.bad_words_token_ids:
             token_ids = self.bad_words_token_ids(params.bad_words)
             params = msgspec.structs.replace(params, bad_words_token_ids=token_ids)
@@ -318,6 +345,7 @@ class AsyncEngineClient:
         eos_token_ids = self._core.ready.eos_token_ids  # the model's, from the workers
         core_requests = processor.make_core_requests(eos_token_ids, time.time(), priority)
         forwarders: list[asyncio.Task] = []
+        submitted = False
         self._raise_if_running(request_id)
         self._request_id_to_processor[request_id] = processor
         try:
@@ -327,11 +355,14 @@ class AsyncEngineClient:
             if len(core_queues) > 1:
                 forwarders = [self._spawn(_forward(q, queue)) for q in core_queues]
             self.metrics.record_request(len(processor.prompt_token_ids))
+            submitted = True
             while not processor.finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    processor.abort(_finish_reason_of(item))
                     raise item
                 self._process(processor, item, arrival_time_s)
+                self._record_finished(processor, arrival_time_s)
                 if stream and (delta := processor.make_delta_output()) is not None:
                     yield delta
             if not stream:
@@ -341,8 +372,10 @@ class AsyncEngineClient:
             for task in forwarders:
                 task.cancel()
             if unfinished := processor.unfinished_core_request_ids:
-                processor.abort()
+                processor.abort()  # the caller left (a client disconnect, a cancelled task)
                 self._abort_in_background(unfinished)
+            if submitted:
+                self._record_finished(processor, arrival_time_s)
 
     def _process(
         self, processor: OutputProcessor, output: EngineCoreOutput, arrival_time_s: float
@@ -358,13 +391,18 @@ class AsyncEngineClient:
             self.metrics.record_tokens(len(output.new_token_ids))
         if output.queue_time_s:
             self.metrics.request_queue_time.observe(output.queue_time_s)
-        if output.finished and not choice.finished:
-            self.metrics.record_finished(str(output.finish_reason))
-            self.metrics.e2e_request_latency.observe(time.monotonic() - arrival_time_s)
         if output.finish_reason == FinishReason.ERROR:
             logger.warning("request %s failed in the engine: %s", output.request_id, output.error)
         if processor.process(output):
             self._abort_in_background([output.request_id])
+
+    def _record_finished(self, processor: OutputProcessor, arrival_time_s: float) -> None:
+        """Counts each choice once, when it ends, by how it ended (stop, length, abort,
+        error), whoever ended it: the core, a stop string, an abort or a client that left."""
+        for choice in processor.take_newly_finished():
+            assert choice.finish_reason is not None
+            self.metrics.record_finished(choice.finish_reason)
+            self.metrics.e2e_request_latency.observe(time.monotonic() - arrival_time_s)
 
     def _abort_in_background(self, core_request_ids: list[str]) -> None:
         """Aborts without awaiting, so that it also works from a cancelled iterator's cleanup."""
@@ -387,17 +425,18 @@ async def _forward(source: asyncio.Queue, target: asyncio.Queue) -> None:
             return
 
 
+def _finish_reason_of(error: BaseException) -> FinishReason:
+    """How a request that `error` ended is counted: ABORT when the server stopped serving it,
+    ERROR when the engine died (or anything else failed it)."""
+    return FinishReason.ABORT if isinstance(error, ServiceStoppedError) else FinishReason.ERROR
+
+
 def _check_unicode(text: str, param: str) -> None:
     """InvalidPromptError for text that is not valid Unicode (a lone surrogate, which JSON's
     \\uD800 escapes can carry): no tokenizer can encode it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidPromptError(
-            f"{param} is not valid Unicode text: {exc.reason} (U+{ord(text[exc.start]):04X} at "
-            f"position {exc.start})",
-            param=param,
-        ) from None
+    reason = describe_text_not_utf8(text)
+    if reason is not None:
+        raise InvalidPromptError(f"{param} is not valid Unicode text: {reason}", param=param)
 
 
 def _strings(value: Any) -> Iterator[str]:

@@ -19,6 +19,7 @@ from frontend.tool_calls import TOOL_CALL_PARSERS
 from proto.engine_config import EngineConfig
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_HOST = "0.0.0.0"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "CORE_ENGINE_API_KEY"
 LOG_STATS_INTERVAL_S = 10.0
@@ -30,8 +31,12 @@ def make_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API.",
     )
     EngineConfig.add_cli_arguments(parser)  # --model, --device, --max-num-seqs, ...
-    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
+    parser.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"interface to listen on (default: {DEFAULT_HOST})"
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})"
+    )
     parser.add_argument(
         "--api-key",
         default=None,

@@ -9,6 +9,8 @@
 - Engine death: every in-flight request has already failed with the reason; the server stops the
   same way and `serve` returns 1, so that a supervisor (systemd, Kubernetes) restarts it. With
   `keep_alive_on_engine_death` it stays up answering 503 instead (the dead core is reaped).
+- Attached (`address`) with no engine core connecting there in time: one error line saying so,
+  no traceback, and `serve` returns 3 (as a failed start-up).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SHUTTING_DOWN = "server is shutting down"
 # those error responses to be written, then it cancels what is left.
 CLOSE_AFTER_DRAIN_S = 5.0
 EXIT_ENGINE_DEAD = 1
+EXIT_START_FAILED = 3  # as uvicorn's own failed start-up
 
 
 class PortInUseError(OSError):
@@ -52,14 +55,28 @@ def serve(
     Raises PortInUseError before any engine starts; a failed start-up is uvicorn's SystemExit(3).
     """
     sock = bind_port(host, port)
+    bound_port = sock.getsockname()[1]
     app = build_app(engine_config, settings, address)
     drain_timeout_s = engine_config.shutdown_timeout_s
     config = uvicorn.Config(
-        app, log_level="info", timeout_graceful_shutdown=drain_timeout_s + CLOSE_AFTER_DRAIN_S
+        app,
+        host=host,  # uvicorn serves `sock`; these are what `EngineServer` logs as its URL
+        port=bound_port,
+        log_level="info",
+        timeout_graceful_shutdown=drain_timeout_s + CLOSE_AFTER_DRAIN_S,
     )
     server = EngineServer(config, app, drain_timeout_s, keep_alive_on_engine_death)
+    # uvicorn logs no address for a socket it is given: say where the server will be.
+    logger.info("listening on %s; serving once the engine is ready", server_url(host, bound_port))
     server.run(sockets=[sock])
+    if app.state.start_failure is not None:
+        return EXIT_START_FAILED
     return EXIT_ENGINE_DEAD if server.engine_death_reason is not None else 0
+
+
+def server_url(host: str, port: int) -> str:
+    """http://HOST:PORT, the host in brackets when it is an IPv6 address."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -112,8 +129,13 @@ class EngineServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        if self.app.state.start_failure is not None:  # no core to attach to: said plainly
+            logger.error("%s; exiting", self.app.state.start_failure)
+            self.should_exit = True
         if self.engine is not None:
             self._death_watch = asyncio.create_task(self._exit_on_engine_death(self.engine))
+            url = server_url(self.config.host, self.config.port)
+            logger.info("serving on %s (OpenAI base URL: %s/v1)", url, url)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._death_watch is not None:

@@ -59,15 +59,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for one prompt or a list (text or token ids); one output per prompt.
 
         `sampling_params`: one for every prompt, or a list with one per prompt.
+        `priority`: one for every prompt, or a list with one per prompt; lower values are
+        scheduled first under `policy="priority"`, and only 0 (or None) is allowed under fcfs.
         Raises ValueError (naming the prompt) before anything runs if a prompt is invalid.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        return self._client.run(self._generate_all(prompt_list, params_list, use_tqdm))
+        priorities = _as_priority_list(priority, len(prompt_list))
+        return self._client.run(self._generate_all(prompt_list, params_list, priorities, use_tqdm))
 
     def chat(
         self,
@@ -92,13 +96,15 @@ class LLM:
         self,
         prompts: list[Prompt],
         params_list: list[SamplingParams],
+        priorities: list[int],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self._client.engine
         streams = []
-        for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+        requests = zip(prompts, params_list, priorities, strict=True)
+        for index, (prompt, params, priority) in enumerate(requests):
             try:
-                streams.append(engine.generate(prompt, params, stream=False))
+                streams.append(engine.generate(prompt, params, stream=False, priority=priority))
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from exc
         with tqdm(total=len(streams), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -122,6 +128,20 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]
     return prompts
+
+
+def _as_priority_list(priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:
+    if priority is None:
+        return [0] * num_prompts
+    if isinstance(priority, int):
+        return [priority] * num_prompts
+    priorities = list(priority)
+    if len(priorities) != num_prompts:
+        raise ValueError(
+            f"got {len(priorities)} priorities for {num_prompts} prompts; "
+            "pass one for all or exactly one per prompt"
+        )
+    return priorities
 
 
 def _as_params_list(

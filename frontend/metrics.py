@@ -201,6 +201,18 @@ SCHEDULER_METRICS = (
     ),
     (
         CounterMetricFamily,
+        "prefix_cache_preempted_queries",
+        "Tokens looked up in the prefix cache by requests resumed after a preemption.",
+        lambda stats: stats.prefix_cache_preempted_queries,
+    ),
+    (
+        CounterMetricFamily,
+        "prefix_cache_preempted_hits",
+        "Tokens found in the prefix cache by requests resumed after a preemption.",
+        lambda stats: stats.prefix_cache_preempted_hits,
+    ),
+    (
+        CounterMetricFamily,
         "num_preemptions",
         "Requests preempted for lack of KV blocks.",
         lambda stats: stats.num_preemptions,

@@ -25,13 +25,19 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
+from frontend.unicode_text import find_text_not_utf8, printable_text
 from proto import SamplingParams
 from proto.sampling_params import MAX_LOGPROBS, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
+# The wire carries `priority` as a msgpack int64.
+Priority = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# The pydantic error type of text that cannot be encoded as UTF-8; its ctx names the JSON path.
+TEXT_NOT_UTF8 = "text_not_utf8"
 
 
 # Fields of OpenAI's and vLLM's request APIs that this server does not implement, with the
@@ -91,6 +97,25 @@ class OpenAIModel(BaseModel):
 _LOGGED_UNKNOWN_FIELDS: set[tuple[str, str]] = set()
 
 
+class RequestBody(OpenAIModel):
+    """A whole request body. Before any field is read, every string it carries (object keys
+    included, known fields or not) must be encodable as UTF-8: a lone surrogate is a
+    `TEXT_NOT_UTF8` error naming its JSON path (`stop[0]`), never a failure further on."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_text_not_utf8(cls, data: Any) -> Any:
+        found = find_text_not_utf8(data)
+        if found is not None:
+            path, reason = found
+            raise PydanticCustomError(
+                TEXT_NOT_UTF8,
+                "{path} is not valid Unicode text: {reason}",
+                {"path": path, "reason": reason},
+            )
+        return data
+
+
 def _refusing(table: dict[str, tuple[Any, ...]]) -> Any:
     """A validator for the fields of `table` that lets only their neutral values through."""
 
@@ -146,9 +171,9 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema)
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras (repetition_penalty,
-    top_k ... skip_special_tokens)."""
+    top_k ... skip_special_tokens, priority)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -158,6 +183,7 @@ class SamplingFields(OpenAIModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    priority: Priority = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -187,6 +213,7 @@ class SamplingFields(OpenAIModel):
     use_beam_search: Any = None
     length_penalty: Any = None
     bad_words: list[str] | None = None
+    cache_salt: str | None = None
     allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
@@ -205,12 +232,27 @@ class SamplingFields(OpenAIModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 
+    @field_validator("cache_salt")
+    @classmethod
+    def _reject_empty_cache_salt(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("cache_salt must be a non-empty string when given, got ''")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _reject_empty_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         if any(not stop for stop in _as_list(value)):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _stream_options_only_with_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError(
+                "stream_options: only allowed with stream: true (this request has stream: false)"
+            )
+        return self
 
     def structured_outputs_field(self) -> tuple[StructuredOutputs | None, str | None]:
         """The output constraint and the field that asked for it (`response_format`,
@@ -278,6 +320,7 @@ class SamplingFields(OpenAIModel):
             structured_outputs=self.structured_outputs_field()[0],
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             bad_words=list(self.bad_words or []),
+            cache_salt=self.cache_salt,
             **{name: value for name, value in optional.items() if value is not None},
         )
 
@@ -473,7 +516,7 @@ class ChatCompletionRequest(SamplingFields):
         return self._make_sampling_params(self.max_output_tokens, logprobs)
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     """POST /tokenize (vLLM's): a text `prompt`, or chat `messages` rendered by the template."""
 
     model: str | None = None
@@ -495,7 +538,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize (vLLM's)."""
 
     model: str | None = None
@@ -638,10 +681,18 @@ class ModelList(BaseModel):
 
 
 class ErrorInfo(BaseModel):
+    """OpenAI's error. Its texts are always encodable (what UTF-8 cannot hold is escaped), so
+    that an error body can be sent whatever the request carried."""
+
     message: str
     type: str
     param: str | None = None
     code: str | int | None = None
+
+    @field_validator("message", "param")
+    @classmethod
+    def _escape_text_not_utf8(cls, value: str | None) -> str | None:
+        return None if value is None else printable_text(value)
 
 
 class ErrorResponse(BaseModel):

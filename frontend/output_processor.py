@@ -57,7 +57,7 @@ class ChoiceState:
 
     Invariants: `text` holds no stop string; `text[:num_sent_chars]` and
     `token_ids[:num_sent_tokens]` went out in delta outputs, and `finish_sent` says whether the
-    finish reason did too.
+    finish reason did too; `finish_taken` says whether `take_newly_finished` returned it.
     """
 
     index: int
@@ -70,6 +70,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     finish_sent: bool = False
+    finish_taken: bool = False
     last_token_time: float | None = None
 
     @property
@@ -179,11 +180,20 @@ class OutputProcessor:
             self._finish(choice, output)
         return False
 
-    def abort(self) -> None:
-        """Marks every running choice aborted (the caller aborts their core requests)."""
+    def abort(self, finish_reason: FinishReason = FinishReason.ABORT) -> None:
+        """Marks every running choice finished: aborted (the caller aborts their core
+        requests), or with ERROR when the engine failed them."""
         for choice in self._choices:
             if not choice.finished:
-                choice.finish_reason = str(FinishReason.ABORT)
+                choice.finish_reason = str(finish_reason)
+
+    def take_newly_finished(self) -> list[ChoiceState]:
+        """The choices that finished since the last call, however they ended (the core, a
+        stop string, an abort): each finished choice is returned by exactly one call."""
+        newly_finished = [c for c in self._choices if c.finished and not c.finish_taken]
+        for choice in newly_finished:
+            choice.finish_taken = True
+        return newly_finished
 
     def make_delta_output(self) -> RequestOutput | None:
         """What changed since the last delta output; None when nothing did."""

@@ -61,6 +61,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     worker_address: str | None = None
     dist_init_address: str | None = None
     long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     seed: int = 0
     startup_timeout_s: float = 300.0
@@ -116,6 +117,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             self.long_prefill_token_threshold >= 0,
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
         )
+        self._check_unchunked_prefill()
         _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("startup_timeout_s", "step_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
@@ -123,6 +125,26 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _check(
             self.max_frame_bytes >= MIN_FRAME_BYTES,
             f"max_frame_bytes must be at least {MIN_FRAME_BYTES}, got {self.max_frame_bytes}",
+        )
+
+    def _check_unchunked_prefill(self) -> None:
+        """Without chunked prefill a prompt is prefilled in one step: the step budget must hold
+        the longest one (checked here when both are given, else by the core at start-up)."""
+        if self.enable_chunked_prefill:
+            return
+        _check(
+            self.long_prefill_token_threshold == 0,
+            f"long_prefill_token_threshold={self.long_prefill_token_threshold} chunks long "
+            "prompts, which enable_chunked_prefill=False forbids: leave it 0 or enable chunked "
+            "prefill",
+        )
+        budget, max_model_len = self.max_num_batched_tokens, self.max_model_len
+        _check(
+            budget is None or max_model_len is None or budget >= max_model_len,
+            f"max_num_batched_tokens={budget} is below max_model_len={max_model_len}: with "
+            "enable_chunked_prefill=False a prompt is prefilled in one step, so the step budget "
+            f"must be at least max_model_len; raise max_num_batched_tokens to {max_model_len}, "
+            "lower max_model_len, or enable chunked prefill",
         )
 
     @property
@@ -265,9 +287,14 @@ FIELD_HELP = {
         "or --worker-address's host when ranks are remote; a free port)"
     ),
     "long_prefill_token_threshold": "most prompt tokens one request gets per step (0: no cap)",
+    "enable_chunked_prefill": (
+        "split long prompts over several steps; off, a prompt is prefilled in one step, so "
+        "max_num_batched_tokens must be at least max_model_len"
+    ),
     "policy": "fcfs or priority",
     "seed": "engine seed",
-    "startup_timeout_s": "seconds to wait for workers to load and profile",
+    "startup_timeout_s": "seconds to wait for workers to load and profile (with "
+    "--frontend-address: for an engine core to connect)",
     "step_timeout_s": "seconds to wait for one step's result",
     "shutdown_timeout_s": "seconds a stop waits: for running requests to finish (core-serve), "
     "and for each process to exit cleanly before it is killed",

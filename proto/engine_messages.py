@@ -85,9 +85,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
-    """A snapshot of the scheduler; prefix cache counters are cumulative, in tokens. Built on
-    request (the `get_stats` utility call, which /metrics and the stats log poll), never per
-    step."""
+    """A snapshot of the scheduler; prefix cache counters are cumulative, in tokens (requests
+    in requests), one lookup per admitted request; `prefix_cache_preempted_*` count the lookups
+    of requests readmitted after a preemption, which the others (and the hit rate) leave out.
+    Built on request (the `get_stats` utility call, which /metrics and the stats log poll),
+    never per step."""
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -98,6 +100,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
+    prefix_cache_requests: int = 0
+    prefix_cache_preempted_requests: int = 0
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -123,8 +129,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineReady(msgspec.Struct, array_like=True, gc=False):
-    """The core's first message: what the engine can hold, its step token budget, and the
-    model's vocabulary size and eos ids (from the workers' `WorkerReady`)."""
+    """The core's first message: what the engine can hold, its step token budget, the
+    model's vocabulary size and eos ids (from the workers' `WorkerReady`), and the scheduling
+    policy (a frontend attached to a core started separately learns it here)."""
 
     num_gpu_blocks: int
     block_size: int
@@ -132,6 +139,7 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     max_num_batched_tokens: int
     vocab_size: int
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    policy: str = "fcfs"
 
 
 class UtilityResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

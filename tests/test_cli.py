@@ -254,3 +254,25 @@ def test_the_readme_lists_every_environment_variable_the_engine_reads():
         if f"`{name}`" not in table
     ]
     assert missing == [], f"README's environment variable table lacks {missing}"
+
+
+def test_help_shows_the_default_host_and_port(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--host HOST interface to listen on (default: 0.0.0.0)" in help_text
+    assert "--port PORT HTTP port (default: 8000)" in help_text
+
+
+def test_chunked_prefill_switch_reaches_the_engine_config():
+    assert parse_args([])[0].enable_chunked_prefill is True
+    argv = ["--no-enable-chunked-prefill", "--max-model-len", "512", "--max-num-batched-tokens"]
+    assert parse_args([*argv, "512"])[0].enable_chunked_prefill is False
+
+
+def test_a_step_budget_below_the_context_without_chunked_prefill_is_a_usage_error(capsys):
+    argv = ["--no-enable-chunked-prefill", "--max-model-len", "512", "--max-num-batched-tokens"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*argv, "256"])
+    assert exit_info.value.code == 2
+    assert "max_num_batched_tokens=256 is below max_model_len=512" in capsys.readouterr().err

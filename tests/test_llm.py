@@ -240,3 +240,50 @@ def test_bad_words_are_tokenized_as_written_and_after_a_space(llm):
         [99],
         [32, 99],
     ]
+
+
+def test_priority_other_than_0_is_refused_under_fcfs_naming_the_value_and_the_policy(llm):
+    with pytest.raises(ValueError, match=r"prompt 1: priority 3 needs .* it is 'fcfs'"):
+        llm.generate(["a", "b"], priority=[0, 3], use_tqdm=False)
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate(["a", "b"], priority=[0], use_tqdm=False)
+    outputs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=0, use_tqdm=False)
+    assert [o.outputs[0].text for o in outputs] == ["**", "**"]
+
+
+def test_priorities_reach_a_priority_scheduling_engine():
+    with LLM(model="null", policy="priority", max_num_seqs=1, max_model_len=256) as llm:
+        outputs = llm.generate(
+            ["a", "b", "c"], SamplingParams(max_tokens=3), priority=[5, -2, 0], use_tqdm=False
+        )
+        assert [o.outputs[0].text for o in outputs] == ["***"] * 3
+        with pytest.raises(
+            ValueError, match=r"priority must be an integer in \[-9223372036854775808, "
+        ):
+            llm.generate("a", priority=2**63, use_tqdm=False)
+
+
+def test_text_that_utf8_cannot_encode_in_stop_or_bad_words_is_a_value_error_naming_it(llm):
+    with pytest.raises(ValueError, match=r"stop\[1\] is not valid Unicode text: surrogates"):
+        llm.generate("a", SamplingParams(stop=["ok", "\ud800"]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"bad_words\[0\] is not valid Unicode text"):
+        llm.generate("a", SamplingParams(bad_words=["\udfff"]), use_tqdm=False)
+
+
+def test_chunked_prefill_can_be_switched_off_as_in_vllm():
+    with LLM(
+        model="null", enable_chunked_prefill=False, max_model_len=256, max_num_batched_tokens=256
+    ) as llm:
+        prompts = [list(range(1, 201)), list(range(2, 202))]  # one prompt per step
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert [o.outputs[0].text for o in outputs] == ["****"] * 2
+    with pytest.raises(ValueError, match="max_num_batched_tokens=128 is below max_model_len=256"):
+        LLM(
+            model="null",
+            enable_chunked_prefill=False,
+            max_model_len=256,
+            max_num_batched_tokens=128,
+        )
+    # The null worker's own budget (2048) is below the context window asked for.
+    with pytest.raises(EngineDeadError, match="max_num_batched_tokens=2048 is below max_model_len"):
+        LLM(model="null", enable_chunked_prefill=False, max_model_len=4096)

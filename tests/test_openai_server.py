@@ -10,6 +10,7 @@ test_server_lifecycle.py's.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import re
 from collections.abc import Iterator
@@ -17,8 +18,16 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from frontend.null_tokenizer import NullTokenizer
+from frontend.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.server_process import ServerProcess, wait_until
@@ -364,7 +373,10 @@ def test_bad_text_and_numbers_are_400_naming_what_is_wrong(server):
     assert "not valid Unicode" in response.json()["error"]["message"]
     chat = b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}'
     response = httpx.post(f"{server.base_url}/v1/chat/completions", content=chat, headers=headers)
-    assert (response.status_code, response.json()["error"]["param"]) == (400, "messages")
+    assert (response.status_code, response.json()["error"]["param"]) == (
+        400,
+        "messages[0].content",
+    )
     response = httpx.post(url, content=b'{"prompt": "x", "temperature": NaN}', headers=headers)
     assert response.status_code == 400 and "NaN" in response.json()["error"]["message"]
     for field, value in (("seed", 2**70), ("top_k", 2**70), ("stop_token_ids", [2**70])):
@@ -660,62 +672,291 @@ def test_echo_logprobs_with_max_tokens_0_score_a_prompt_like_lm_eval(model_serve
     assert error.value.body["param"] == "max_tokens"
 
 
-REQUEST_FIELDS = [
-    "prompt", "messages", "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-    "stop", "seed", "stream", "logprobs", "top_logprobs", "echo", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids", "min_tokens",
-    "ignore_eos", "bad_words", "response_format", "structured_outputs", "guided_json",
-    "tools", "tool_choice", "prompt_logprobs", "best_of", "suffix", "user", "stream_options",
-    "include_stop_str_in_output", "skip_special_tokens", "max_completion_tokens",
-]  # fmt: skip
+# Every field of both endpoints, strings nested in objects and lists among them.
+REQUEST_FIELDS = sorted(
+    set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {"json"}
+)
+# Text with lone surrogates (which JSON's \\ud800 escapes carry) as often as any other.
+TEXT = st.text(st.characters(exclude_categories=()) | st.sampled_from("\ud800\udfffa"), max_size=20)
 
 
 def json_values():
-    from hypothesis import strategies as st
-
     scalars = (
         st.none()
         | st.booleans()
         | st.integers(min_value=-(2**70), max_value=2**70)
         | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=20)
+        | TEXT
     )
     return st.recursive(
         scalars,
         lambda children: (
             st.lists(children, max_size=4)
-            | st.dictionaries(st.text(max_size=8), children, max_size=4)
+            | st.dictionaries(TEXT | st.sampled_from(REQUEST_FIELDS), children, max_size=4)
         ),
         max_leaves=12,
     )
 
 
-def test_fuzzed_requests_never_answer_500_and_leave_the_server_alive(server):
-    """Any JSON at all in the request fields: a 4xx or an answer, never a 500 (a crash in the
-    server or the engine), and the server still healthy afterwards."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
+VALID_BODIES = {
+    False: {"prompt": "x", "max_tokens": 2},
+    True: {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+}
 
-    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-    fields = st.dictionaries(st.sampled_from(REQUEST_FIELDS), json_values(), max_size=6)
+
+class KeepAliveConnection:
+    """One HTTP/1.1 connection to the server, reused for every request: a server that closes
+    it after an answer fails the next request."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        self.connection.connect()
+        self.socket = self.connection.sock
+        self.headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        self.connection.request(method, path, body=body, headers=self.headers)
+        response = self.connection.getresponse()
+        content = response.read()
+        assert self.connection.sock is self.socket, "the server closed the connection"
+        return response.status, content
+
+    def check_still_usable(self) -> None:
+        assert self.request("GET", "/v1/models")[0] == 200
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def test_fuzzed_requests_never_answer_500_and_leave_the_server_alive(server):
+    """Any JSON at all in the request fields, text UTF-8 cannot encode included: a 4xx or an
+    answer, never a 500 (a crash in the server or the engine), on one keep-alive connection
+    that stays usable after every error; the server still healthy afterwards."""
+    connection = KeepAliveConnection(server)
+    any_body = st.tuples(
+        st.dictionaries(st.sampled_from(REQUEST_FIELDS), json_values(), max_size=6), st.booleans()
+    )
+    # One or two fields over a valid request: a bad value then meets the code past validation
+    # (tokenizer, engine) as often as the validation itself.
+    valid_body_with_fields = st.booleans().flatmap(
+        lambda chat: st.dictionaries(
+            st.sampled_from(REQUEST_FIELDS), json_values(), min_size=1, max_size=2
+        ).map(lambda fields: ({**VALID_BODIES[chat], **fields}, chat))
+    )
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(body=fields, chat=st.booleans())
-    def check(body, chat):
-        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 64:
-            body["max_tokens"] = 64  # keep each accepted request short
+    @given(body_and_chat=any_body | valid_body_with_fields)
+    def check(body_and_chat):
+        body, chat = body_and_chat
+        for name in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(name), int) and body[name] > 64:
+                body[name] = 64  # keep each accepted request short
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        response = httpx.post(
-            f"{server.base_url}{path}",
-            content=json.dumps(body, allow_nan=True).encode(),
-            headers=headers,
-            timeout=30,
-        )
-        assert response.status_code < 500, (body, response.text)
+        status, content = connection.request("POST", path, json.dumps(body).encode())
+        assert status < 500, (body, content)
+        if status >= 400:
+            assert set(json.loads(content)["error"]) == {"message", "type", "param", "code"}
+            connection.check_still_usable()
 
-    check()
+    try:
+        check()
+    finally:
+        connection.close()
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert "Traceback" not in server.log_tail(200_000)
+
+
+# Requests that carry every string field (and object key) of their endpoint.
+COMMON_STRINGS = {
+    "model": MODEL_NAME,
+    "stop": ["s"],
+    "bad_words": ["w"],
+    "user": "u",
+    "logit_bias": {"5": 1.0},
+    "metadata": {"k": "v"},
+    "service_tier": "auto",
+    "guided_json": {"type": "string"},
+    "guided_regex": "a",
+    "guided_choice": ["a"],
+    "guided_grammar": "g",
+    "guided_decoding_backend": "auto",
+    "structured_outputs": {"json": "{}", "regex": "a", "choice": ["a"], "grammar": "g"},
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "description": "d", "schema": {"type": "string"}},
+    },
+}
+STRING_BODIES = {
+    "/v1/completions": {**COMMON_STRINGS, "prompt": ["a", "b"], "suffix": ""},
+    "/v1/chat/completions": {
+        **COMMON_STRINGS,
+        "messages": [
+            {"role": "system", "content": "c", "name": "n"},
+            {"role": "user", "content": [{"type": "text", "text": "t"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "i", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "i", "content": "r"},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "f", "description": "d", "parameters": {"type": "object"}},
+            }
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    },
+    "/tokenize": {"model": MODEL_NAME, "prompt": "p"},
+    "/detokenize": {"model": MODEL_NAME, "tokens": [1]},
+}
+BAD_TEXT = "ok\ud800"
+
+
+def with_bad_text(value, path: str = ""):
+    """(JSON path, copy of `value` with BAD_TEXT at that path) for each string and object key
+    inside `value`."""
+    if isinstance(value, str):
+        yield path, BAD_TEXT
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            for item_path, bad_item in with_bad_text(item, f"{path}[{index}]"):
+                yield item_path, [*value[:index], bad_item, *value[index + 1 :]]
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            item_path = f"{path}.{key}" if path else key
+            key_path = f"{path}[{json.dumps(BAD_TEXT)}]"
+            yield key_path, {(BAD_TEXT if k == key else k): v for k, v in value.items()}
+            for bad_path, bad_item in with_bad_text(item, item_path):
+                yield bad_path, {**value, key: bad_item}
+
+
+def test_text_utf8_cannot_encode_is_a_400_naming_its_path_in_every_field_of_every_endpoint(
+    server,
+):
+    """The JSON string "ok\\ud800" in any string field, nested or not, known or not, and as
+    any object key: a 400 naming the JSON path; the keep-alive connection serves on."""
+    fields = {
+        "/v1/completions": CompletionRequest.model_fields,
+        "/v1/chat/completions": ChatCompletionRequest.model_fields,
+        "/tokenize": TokenizeRequest.model_fields,
+        "/detokenize": DetokenizeRequest.model_fields,
+    }
+    connection = KeepAliveConnection(server)
+    num_checked = 0
+    try:
+        for path, body in STRING_BODIES.items():
+            cases = list(with_bad_text(body))
+            cases += [(name, {**body, name: BAD_TEXT}) for name in fields[path]]
+            cases.append(("an_unknown_field[0]", {**body, "an_unknown_field": [BAD_TEXT]}))
+            for json_path, bad_body in cases:
+                status, content = connection.request("POST", path, json.dumps(bad_body).encode())
+                error = json.loads(content)["error"]
+                assert (status, error["param"]) == (400, json_path), (path, bad_body, error)
+                assert error["message"] == (
+                    f"{json_path} is not valid Unicode text: "
+                    + ("the key: " if json_path.endswith('"]') else "")
+                    + "surrogates not allowed (U+D800 at position 2)"
+                )
+                connection.check_still_usable()
+                num_checked += 1
+    finally:
+        connection.close()
+    assert num_checked > 100
+    assert "Traceback" not in server.log_tail(200_000)
+
+
+def test_priority_other_than_0_is_a_400_under_fcfs_naming_the_value_and_the_policy(server):
+    for path, body in (
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        response = post(server, path, {**body, "priority": 5})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "priority"
+        assert "priority 5" in error["message"] and "'fcfs'" in error["message"]
+        response = post(server, path, {**body, "priority": 0, "max_tokens": 1})
+        assert response.status_code == 200
+
+
+def test_stream_options_without_stream_is_a_400_naming_both_fields(server, client):
+    for path, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        for stream in ({}, {"stream": False}):
+            request = {**body, **stream, "stream_options": {"include_usage": True}}
+            response = post(server, path, request)
+            assert response.status_code == 400
+            error = response.json()["error"]
+            assert error["param"] == "stream_options"
+            assert "stream: true" in error["message"]
+    # Streamed, or with no stream_options, the same requests are fine.
+    response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "stream": False})
+    assert response.status_code == 200
+
+
+def test_the_start_up_log_names_the_url_it_serves(server):
+    url = f"http://127.0.0.1:{server.port}"
+    log = server.log_tail(1_000_000)
+    assert f"listening on {url}" in log
+    assert log.count(f"serving on {url} (OpenAI base URL: {url}/v1)") == 1
+
+
+def test_priority_orders_queued_requests_lowest_first_under_the_priority_policy(tmp_path):
+    """One running slot: requests queued behind a long one run in priority order (lower value
+    first, then arrival), not in the order they arrived."""
+    server = ServerProcess(
+        [
+            "--model", "null",
+            "--policy", "priority",
+            "--max-num-seqs", "1",
+            "--max-model-len", str(NULL_MAX_MODEL_LEN),
+            "--num-gpu-blocks-override", "8192",
+            "--disable-log-stats",
+        ],
+        tmp_path / "log",
+    )  # fmt: skip
+    arrivals = [(3, "a"), (1, "b"), (4, "c"), (0, "d"), (1, "e"), (-2, "f")]
+
+    async def run_in_turn() -> list[str]:
+        finished: list[str] = []
+
+        async def complete(http: httpx.AsyncClient, priority: int, label: str) -> None:
+            # Long enough (~0.1 s each) that answers reach this client in the order they end.
+            body = {"prompt": label, "max_tokens": 300, "priority": priority}
+            response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            finished.append(label)
+
+        async def num_waiting(http: httpx.AsyncClient) -> float:
+            text = (await http.get("/metrics")).text
+            return float(re.search(r"^core:num_requests_waiting\{.*\} (\S+)$", text, re.M)[1])
+
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            blocker = {"prompt": "long", "max_tokens": 60000, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=blocker) as stream:
+                lines = stream.aiter_lines()  # held: dropping it would close the connection
+                await anext(lines)
+                tasks = []
+                for priority, label in arrivals:  # one at a time: arrival order is this order
+                    tasks.append(asyncio.create_task(complete(http, priority, label)))
+                    while await num_waiting(http) < len(tasks):
+                        await asyncio.sleep(0.01)
+            # The blocker's client left: it is aborted, and the queue runs.
+            await asyncio.gather(*tasks)
+        return finished
+
+    try:
+        server.wait_ready()
+        finished = asyncio.run(asyncio.wait_for(run_in_turn(), 60))
+    finally:
+        server.stop()
+    assert finished == ["f", "d", "b", "e", "a", "c"]
 
 
 @pytest.mark.slow

@@ -191,3 +191,22 @@ def test_core_error_is_reported_on_the_request():
 def test_make_delta_output_is_none_without_news(n):
     processor = make_processor(n=n)
     assert processor.make_delta_output() is None
+
+
+def test_each_choice_is_taken_as_finished_once_however_it_ended():
+    processor = make_processor(n=4, stop=["!"], max_tokens=50)
+    feed_text(processor, "0_req", "ab")
+    assert processor.take_newly_finished() == []
+    feed_text(processor, "0_req", "c!d")  # a stop string, found here (the core runs on)
+    processor.process(core_output("1_req", "x", FinishReason.LENGTH))
+    assert [(c.index, c.finish_reason) for c in processor.take_newly_finished()] == [
+        (0, "stop"),
+        (1, "length"),
+    ]
+    processor.process(core_output("0_req", "", FinishReason.ABORT))  # the core's late answer
+    assert processor.take_newly_finished() == []
+    processor.abort(FinishReason.ERROR)  # the engine died
+    finished = processor.take_newly_finished()
+    assert [(c.index, c.finish_reason) for c in finished] == [(2, "error"), (3, "error")]
+    processor.abort()
+    assert processor.take_newly_finished() == []

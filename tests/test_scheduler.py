@@ -7,7 +7,14 @@ import pytest
 from core.request import RequestStatus
 from core.scheduler import SchedulerConfig
 from proto import FinishReason, ModelRunnerOutput
-from tests.core_factories import make_request, make_scheduler, run_step, scheduled_req_ids
+from proto.sampling_params import StructuredOutputs
+from tests.core_factories import (
+    fake_model_output,
+    make_request,
+    make_scheduler,
+    run_step,
+    scheduled_req_ids,
+)
 
 
 def history_token(request) -> int:
@@ -83,6 +90,42 @@ def test_waiting_request_uses_prefix_hits():
     assert len(new_req.block_ids[0]) == 5
     stats = scheduler.get_stats()
     assert stats.prefix_cache_hits == 16
+
+
+def prefix_counters(scheduler) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """((requests, queries, hits), (preempted requests, queries, hits)) from get_stats."""
+    stats = scheduler.get_stats()
+    return (
+        (stats.prefix_cache_requests, stats.prefix_cache_queries, stats.prefix_cache_hits),
+        (
+            stats.prefix_cache_preempted_requests,
+            stats.prefix_cache_preempted_queries,
+            stats.prefix_cache_preempted_hits,
+        ),
+    )
+
+
+def test_a_request_waiting_several_steps_for_blocks_is_counted_once_when_admitted():
+    scheduler = make_scheduler(num_gpu_blocks=6, max_model_len=20)
+    prompt = list(range(100, 116))  # 4 of the 5 usable blocks
+    scheduler.add_request(make_request("a", prompt, max_tokens=3))
+    run_step(scheduler)
+    # b hits a's first 2 blocks but needs 1 more: none is free until a finishes 2 steps later
+    scheduler.add_request(make_request("b", prompt[:8] + [7, 7, 7, 7], max_tokens=1))
+    waited = [run_step(scheduler)[0].num_scheduled_tokens for _ in range(3)]
+    assert waited == [{"a": 1}, {"a": 1}, {"b": 4}]
+    assert prefix_counters(scheduler) == ((2, 16 + 12, 8), (0, 0, 0))
+
+
+def test_a_preempted_request_s_lookup_on_resuming_goes_to_the_preempted_counters():
+    scheduler = make_scheduler(num_gpu_blocks=5, max_model_len=16, max_num_batched_tokens=32)
+    scheduler.add_request(make_request("a", [1] * 7, max_tokens=5))
+    scheduler.add_request(make_request("b", [2] * 7, max_tokens=3))
+    outputs = [run_step(scheduler)[0] for _ in range(6)]
+    assert outputs[2].preempted_req_ids == ["b"]  # a needs a 3rd block
+    # b waits until a finishes (looked up 3 times), then resumes from its 1 surviving block
+    assert [o.num_scheduled_tokens for o in outputs[3:]] == [{"a": 1}, {"a": 1}, {"b": 5}]
+    assert prefix_counters(scheduler) == ((2, 14, 0), (1, 7 + 2, 4))
 
 
 def test_scheduler_output_is_a_diff():
@@ -186,7 +229,7 @@ def test_stop_on_eos_unless_ignore_eos_and_not_before_min_tokens():
 
 
 def test_a_last_allowed_token_that_ends_the_request_is_a_stop_not_a_length_cap():
-    """As in the seeds' check_stop: eos and stop tokens are checked before the length limits."""
+    """eos and stop tokens are checked before the length limits, so the reason is stop."""
     scheduler = make_scheduler()
     scheduler.add_request(make_request("eos", [1, 2], eos_token_id=7, max_tokens=1))
     scheduler.add_request(make_request("stop", [1, 2], stop_token_ids=[7], max_tokens=1))
@@ -275,3 +318,80 @@ def test_stats_report_running_waiting_usage_and_preemptions():
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 1)
     assert stats.kv_cache_usage == pytest.approx(1 / 63)
     assert stats.num_prompt_tokens == 6 and stats.num_generation_tokens == 1
+
+
+# ---- a constrained request waits outside the batch while its grammar compiles ------------------
+
+REGEX = StructuredOutputs(regex="[a-z]+")
+
+
+def test_a_constrained_request_waits_for_its_grammar_without_blocks_then_runs():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("free", [1, 2, 3], max_tokens=8))
+    scheduler.add_request(make_request("fsm", [4, 5, 6, 7, 8], structured_outputs=REGEX))
+    assert scheduler.requests["fsm"].status == RequestStatus.WAITING_FOR_FSM
+    output, _ = run_step(scheduler)
+    assert output.num_scheduled_tokens == {"free": 3}
+    assert output.grammars_to_prepare == {"fsm": REGEX}
+    assert scheduler.kv_cache_manager.get_block_ids("fsm") == ([],)
+    assert (scheduler.get_stats().num_waiting_reqs, scheduler.get_num_unfinished_requests()) == (
+        1,
+        2,
+    )
+    output, _ = run_step(scheduler)  # no report yet: still waiting, constraint not sent again
+    assert (output.num_scheduled_tokens, output.grammars_to_prepare) == ({"free": 1}, {})
+    assert scheduler.requests["fsm"].status == RequestStatus.WAITING_FOR_FSM
+    output = scheduler.schedule()
+    model_output = fake_model_output(scheduler, output)
+    model_output.grammars_ready = ["fsm"]
+    scheduler.update_from_output(output, model_output)
+    assert scheduler.requests["fsm"].status == RequestStatus.WAITING
+    output, _ = run_step(scheduler)
+    assert output.num_scheduled_tokens == {"fsm": 5, "free": 1}
+    assert scheduler.kv_cache_manager.get_block_ids("free") == ([1, 2],)
+    assert output.scheduled_new_reqs[0].block_ids == [[3, 4]]
+    assert scheduler.requests["fsm"].status == RequestStatus.RUNNING
+
+
+def test_only_requests_waiting_for_grammars_still_make_a_step_that_carries_them():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("fsm", [1, 2], structured_outputs=REGEX))
+    assert scheduler.has_unfinished_requests()
+    output = scheduler.schedule()
+    assert output.is_empty and output.grammars_to_prepare == {"fsm": REGEX}
+    assert scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_a_grammar_that_fails_to_compile_finishes_its_request_with_the_error():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("free", [1, 2, 3], max_tokens=2))
+    scheduler.add_request(make_request("fsm", [4, 5], structured_outputs=REGEX))
+    output = scheduler.schedule()
+    model_output = fake_model_output(scheduler, output)
+    model_output.request_errors = {"fsm": "structured_outputs: invalid regex: (a"}
+    outputs = scheduler.update_from_output(output, model_output)
+    (error,) = [o for o in outputs.outputs if o.request_id == "fsm"]
+    assert (error.finish_reason, error.error) == (
+        FinishReason.ERROR,
+        "structured_outputs: invalid regex: (a",
+    )
+    assert "fsm" not in scheduler.requests and not scheduler.waiting_for_fsm
+    output, outputs = run_step(scheduler)
+    assert (output.finished_req_ids, output.num_scheduled_tokens) == (["fsm"], {"free": 1})
+    assert outputs.outputs[0].finish_reason == FinishReason.LENGTH  # free's second token
+
+
+def test_an_abort_while_waiting_for_the_grammar_frees_the_request():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("sent", [1, 2], structured_outputs=REGEX))
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput())
+    scheduler.add_request(make_request("unsent", [3, 4], structured_outputs=REGEX))
+    scheduler.finish_requests(["sent", "unsent"], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests() and not scheduler.waiting_for_fsm
+    output = scheduler.schedule()
+    assert sorted(output.finished_req_ids) == ["sent", "unsent"]
+    assert output.grammars_to_prepare == {}  # "unsent" was never sent, and never will be
+    late = ModelRunnerOutput(grammars_ready=["sent"])  # a report racing the abort
+    assert scheduler.update_from_output(output, late).outputs == []
+    assert not scheduler.has_unfinished_requests() and len(scheduler.waiting) == 0
