@@ -40,7 +40,9 @@ def make_engine_core(num_gpu_blocks: int = 64, max_model_len: int = 64, **kwargs
     config = SchedulerConfig(
         max_model_len=max_model_len, block_size=BLOCK_SIZE, num_gpu_blocks=num_gpu_blocks, **kwargs
     )
-    worker = NullWorker(model="null", block_size=BLOCK_SIZE, max_model_len=max_model_len)
+    worker = NullWorker(
+        EngineConfig(model="null", block_size=BLOCK_SIZE, max_model_len=max_model_len)
+    )
     return EngineCore(Scheduler(config), worker)
 
 
@@ -178,7 +180,7 @@ def test_a_folder_the_frontend_did_not_make_or_that_holds_more_is_kept(tmp_path)
 
 
 def test_null_worker_samples_only_when_the_prompt_is_done_and_drops_finished_requests():
-    worker = NullWorker(model="null", block_size=BLOCK_SIZE)
+    worker = NullWorker(EngineConfig(model="null", block_size=BLOCK_SIZE))
     new_req = NewRequestData("a", [1, 2, 3, 4, 5, 6], SamplingParams(logprobs=2), [[1, 2]], 0)
     first = worker.execute_model(
         SchedulerOutput([new_req], [], {"a": 4}, total_num_scheduled_tokens=4)
@@ -199,7 +201,9 @@ def test_null_worker_samples_only_when_the_prompt_is_done_and_drops_finished_req
 
 
 def test_null_worker_reports_enough_blocks_for_every_sequence_at_full_length():
-    worker = NullWorker(model="null", block_size=16, max_model_len=100, max_num_seqs=3)
+    worker = NullWorker(
+        EngineConfig(model="null", block_size=16, max_model_len=100, max_num_seqs=3)
+    )
     assert worker.determine_num_available_blocks() == 3 * 7 + 1
 
 

@@ -13,6 +13,7 @@ Tests that need the model skip (with the pip command) when the package is not in
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -342,12 +343,14 @@ def hf_model(hf_folder):
 @pytest.fixture(scope="module")
 def worker(gguf_path) -> Worker:
     w = Worker(
-        str(gguf_path),
-        device="cpu",
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=8,
-        max_num_batched_tokens=MAX_MODEL_LEN,
+        EngineConfig(
+            model=str(gguf_path),
+            device="cpu",
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=8,
+            max_num_batched_tokens=MAX_MODEL_LEN,
+        )
     )
     w.load_model()
     return w
@@ -469,7 +472,8 @@ def test_disabled_hybrid_kv_cache_keeps_every_layer_in_one_group_and_the_same_to
     long prompt's tokens stay transformers'."""
     long_ids = hf_tokenizer.encode(long_prompt_text())
     expected = hf_greedy(hf_model, long_ids, NUM_NEW_TOKENS)
-    monkeypatch.setattr(worker, "disable_hybrid_kv_cache", True)
+    unhybrid = msgspec.structs.replace(worker.config, disable_hybrid_kv_cache=True)
+    monkeypatch.setattr(worker, "config", unhybrid)
     assert [len(g.layer_indices) for g in worker.kv_cache_groups] == [18]
     config = EngineConfig(
         device="cpu",

@@ -77,12 +77,14 @@ def one_thread():
 def worker() -> Worker:
     # float32 like the reference, whatever this CPU's default (bf16 is tests/test_bf16_accuracy).
     w = Worker(
-        None,
-        device="cpu",
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=16,
-        max_num_batched_tokens=2048,
+        EngineConfig(
+            model=None,
+            device="cpu",
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=16,
+            max_num_batched_tokens=2048,
+        )
     )
     w.load_model()
     return w

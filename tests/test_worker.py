@@ -51,7 +51,7 @@ def test_cuda_without_gpu_is_a_clear_error(monkeypatch):
     with pytest.raises(
         RuntimeError, match="device 'cuda' was requested but torch sees no CUDA GPU"
     ):
-        Worker(device="cuda")
+        Worker(EngineConfig(device="cuda"))
     assert resolve_device("auto") == CPU
 
 
@@ -59,9 +59,9 @@ def test_unknown_device_and_dtype_name_the_choices():
     with pytest.raises(ValueError, match=r"device must be one of \('auto', 'cpu', 'cuda'\)"):
         resolve_device("tpu")
     with pytest.raises(
-        ValueError, match=r"dtype must be one of \('float32', 'float16', 'bfloat16'\)"
+        ValueError, match=r"dtype must be one of \('float32', 'float16', 'bfloat16'\) or None"
     ):
-        Worker(device="cpu", dtype="int4")
+        resolve_dtype("int4", CPU)
 
 
 AVX2_ONLY_FLAGS = "fpu sse2 avx avx2 fma"  # an AMD Zen 2 / Intel Skylake client
@@ -103,41 +103,44 @@ def test_default_dtypes():
 
 
 def test_step_budget_defaults_by_device_and_a_given_one_wins(monkeypatch):
-    assert Worker(device="cpu").max_num_batched_tokens == 1024
-    assert Worker(device="cpu", max_num_batched_tokens=4096).max_num_batched_tokens == 4096
+    assert cpu_worker().max_num_batched_tokens == 1024
+    assert cpu_worker(max_num_batched_tokens=4096).max_num_batched_tokens == 4096
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert Worker(device="cuda").max_num_batched_tokens == 2048
-    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 1, got 0"):
-        Worker(device="cpu", max_num_batched_tokens=0)
+    assert Worker(EngineConfig(device="cuda")).max_num_batched_tokens == 2048
 
 
-def test_bad_limits_are_rejected():
-    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
-        Worker(device="cpu", gpu_memory_utilization=1.5)
-    with pytest.raises(ValueError, match="max_num_seqs must be at least 1, got 0"):
-        Worker(device="cpu", max_num_seqs=0)
+def test_a_rank_outside_the_world_is_refused():
+    """The worker checks only what is its own; the config's fields were checked when it was
+    made (tests/test_engine_core.py)."""
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got 2"):
+        Worker(EngineConfig(device="cpu"), rank=2, world_size=2)
+
+
+def cpu_worker(**fields) -> Worker:
+    return Worker(EngineConfig(device="cpu", **fields))
 
 
 def test_max_model_len_is_clamped_to_the_model(tiny_loader, tmp_path):
     model_file = tmp_path / "tiny.gguf"
     model_file.touch()
-    w = Worker(str(model_file), device="cpu")
+    w = cpu_worker(model=str(model_file))
     w.load_model()
     assert w.max_model_len == 64
     assert tiny_loader == [(model_file, CPU, default_cpu_dtype(), 0, 1)]
-    shorter = Worker(str(model_file), device="cpu", max_model_len=32)
+    shorter = cpu_worker(model=str(model_file), max_model_len=32)
     shorter.load_model()
     assert shorter.max_model_len == 32
     with pytest.raises(ValueError, match="max_model_len=100 exceeds .*max_position_embeddings=64"):
-        Worker(str(model_file), device="cpu", max_model_len=100).load_model()
+        cpu_worker(model=str(model_file), max_model_len=100).load_model()
 
 
 def test_lifecycle_sizes_cache_and_generates(tiny_loader, tmp_path):
     model_file = tmp_path / "tiny.gguf"
     model_file.touch()
     w = Worker(
-        str(model_file), device="cpu", dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 20
+        EngineConfig(model=str(model_file), device="cpu", dtype="float32", block_size=4),
+        kv_cache_memory_bytes=1 << 20,
     )
     with pytest.raises(RuntimeError, match="load_model"):
         w.determine_num_available_blocks()
@@ -167,12 +170,8 @@ def test_enforce_eager_turns_the_cpu_kernels_off_and_keeps_the_output(tiny_loade
     outputs = []
     try:
         for enforce_eager in (True, False):
-            w = Worker(
-                str(model_file),
-                device="cpu",
-                dtype="float32",
-                block_size=4,
-                enforce_eager=enforce_eager,
+            w = cpu_worker(
+                model=str(model_file), dtype="float32", block_size=4, enforce_eager=enforce_eager
             )
             w.load_model()
             assert cpu_backend.is_available() is not enforce_eager

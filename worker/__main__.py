@@ -40,7 +40,8 @@ from proto.engine_config import EngineConfig
 from proto.message_pipe import MessagePipe, PeerClosedError
 from worker.core_link import JoinError, join_core
 from worker.host_allocator import keep_freed_memory
-from worker.worker_factory import describe_worker, make_worker, worker_ready
+from worker.worker_factory import make_worker, worker_ready
+from worker.worker_protocol import WorkerProtocol
 
 logger = logging.getLogger("worker")
 
@@ -104,7 +105,7 @@ def _run(
         worker.load_model()
         _share_cpu_cores(config, worker, world_size)
         ready = worker_ready(worker, rank)
-        logger.info(describe_worker(worker, ready, time.monotonic() - start))
+        logger.info(worker.describe(ready, time.monotonic() - start))
         pipe.send(encoder.encode(ready))
         _serve(worker, rank, pipe, encoder)
         _leave_process_group(config, world_size)
@@ -120,7 +121,7 @@ def _run(
         return 1
 
 
-def _serve(worker, rank: int, pipe: MessagePipe, encoder: MessageEncoder) -> None:
+def _serve(worker: WorkerProtocol, rank: int, pipe: MessagePipe, encoder: MessageEncoder) -> None:
     """Answers the core's messages until `Shutdown`; malformed input raises (fatal)."""
     # No size limit: the core is trusted, and one step may carry many full prompts.
     decoder = MessageDecoder([InitKVCache, SchedulerOutput, Shutdown], sys.maxsize)
@@ -137,10 +138,10 @@ def _serve(worker, rank: int, pipe: MessagePipe, encoder: MessageEncoder) -> Non
             return
 
 
-def _share_cpu_cores(config: EngineConfig, worker, world_size: int) -> None:
+def _share_cpu_cores(config: EngineConfig, worker: WorkerProtocol, world_size: int) -> None:
     """A CPU model worker shares the usable cores among the tensor-parallel ranks of every
     data-parallel engine core (see `share_cpu_threads`)."""
-    if config.is_null_model or getattr(worker.device, "type", None) != "cpu":
+    if config.is_null_model or worker.device.type != "cpu":
         return
     from worker.parallel_state import share_cpu_threads
 

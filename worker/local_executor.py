@@ -10,6 +10,7 @@ from __future__ import annotations
 from proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
 from proto.engine_config import EngineConfig
 from worker.worker_factory import make_worker, worker_ready
+from worker.worker_protocol import WorkerProtocol
 
 
 class LocalExecutor:
@@ -19,7 +20,7 @@ class LocalExecutor:
     its request state. The engine's limits are the tighter of `config`'s and the worker's.
     """
 
-    def __init__(self, config: EngineConfig, worker=None) -> None:
+    def __init__(self, config: EngineConfig, worker: WorkerProtocol | None = None) -> None:
         if config.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={config.tensor_parallel_size}: an in-process engine runs "

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.math_utils import cdiv
-from proto import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from proto import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerReady
+from proto.engine_config import EngineConfig
 
 NULL_TOKEN_ID = 42
 NULL_VOCAB_SIZE = 32000
@@ -31,35 +32,23 @@ class NullRequestState:
 
 
 class NullWorker:
-    """Same constructor and verbs as `worker.worker.Worker`; every step is instant."""
+    """A `WorkerProtocol` whose every step is instant (built from the config and its rank)."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str = "cpu",
-        dtype: str | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        disable_hybrid_kv_cache: bool = False,
-        device_rank: int | None = None,
-    ) -> None:
-        self.device = "cpu" if device == "auto" else device
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.device = "cpu" if config.device == "auto" else config.device
         self.rank = rank
-        self.block_size = block_size
-        self.max_model_len = max_model_len or NULL_MAX_MODEL_LEN
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens or NULL_MAX_NUM_BATCHED_TOKENS
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or NULL_MAX_MODEL_LEN
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens or NULL_MAX_NUM_BATCHED_TOKENS
         self.vocab_size = NULL_VOCAB_SIZE
+        self.layer_sliding_windows: list[int | None] = []
         self.eos_token_ids: list[int] = []
         self.num_gpu_blocks: int | None = None
         self.req_id_to_state: dict[str, NullRequestState] = {}
+
+    def describe(self, ready: WorkerReady, load_s: float) -> str:
+        return f"worker rank {ready.rank}: null model on {ready.device}, {ready.num_gpu_blocks} KV blocks"
 
     def load_model(self) -> None:
         """Nothing to load."""
@@ -89,11 +78,12 @@ class NullWorker:
             req_id_to_num_computed[cached_req.req_id] = cached_req.num_computed_tokens
 
         output = ModelRunnerOutput()
+        # A constrained request is scheduled only once its grammar is ready: refuse it now.
+        for req_id in scheduler_output.grammars_to_prepare:
+            output.request_errors[req_id] = (
+                "structured_outputs: the null model has no vocabulary to constrain"
+            )
         for new_req in scheduler_output.scheduled_new_reqs:
-            if new_req.sampling_params.structured_outputs is not None:
-                output.request_errors[new_req.req_id] = (
-                    "structured_outputs: the null model has no vocabulary to constrain"
-                )
             if new_req.sampling_params.prompt_logprobs is not None:
                 output.request_errors[new_req.req_id] = (
                     "prompt_logprobs: the null model computes no logits"

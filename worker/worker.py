@@ -12,8 +12,8 @@ from common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
 from common.math_utils import cdiv
 from kernels.cpu import kernel_loader as cpu_kernel_loader
 from kernels.cuda.warmup import warmup
-from proto import ModelRunnerOutput, SchedulerOutput
-from proto.engine_config import DEVICES
+from proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
+from proto.engine_config import DEVICES, EngineConfig
 from worker.cpu_features import default_cpu_dtype
 from worker.cpu_linear import pack_linears
 from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
@@ -29,7 +29,7 @@ run at full speed (see benchmarks/results/linears.md)."""
 
 
 class Worker:
-    """Lifecycle: `load_model()` -> `determine_num_available_blocks()` -> `initialize_cache(n)`
+    """A `WorkerProtocol` for a real model. Lifecycle: `load_model()` -> `determine_num_available_blocks()` -> `initialize_cache(n)`
     -> `execute_model(scheduler_output)` per step.
 
     `initialize_cache` may be called again to start over with a fresh KV cache and no request
@@ -40,55 +40,36 @@ class Worker:
     Every rank sees full logits and samples, but only rank 0's samples are meant to be used;
     other ranks take token history from `CachedRequestData.new_token_ids`.
     `kv_cache_memory_bytes` replaces the CPU KV budget (default min(4 GiB, 40% of MemAvailable)).
-    `max_num_batched_tokens` None takes DEFAULT_MAX_NUM_BATCHED_TOKENS for the device.
+    The config's `max_num_batched_tokens` None takes DEFAULT_MAX_NUM_BATCHED_TOKENS for the device.
     """
 
     def __init__(
         self,
-        model: str | None = None,
-        device: str = "auto",
-        dtype: str | None = None,
+        config: EngineConfig,
         rank: int = 0,
         world_size: int = 1,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        seed: int = 0,
+        device_index: int | None = None,
         kv_cache_memory_bytes: int | None = None,
-        enforce_eager: bool = False,
-        disable_hybrid_kv_cache: bool = False,
-        device_rank: int | None = None,
     ) -> None:
-        """`device_rank`: which of the visible GPUs "cuda" means (default: `rank`; a
-        data-parallel engine core's ranks come after the earlier cores' ranks)."""
-        _check_positive("block_size", block_size)
-        _check_positive("max_num_seqs", max_num_seqs)
-        if max_num_batched_tokens is not None:
-            _check_positive("max_num_batched_tokens", max_num_batched_tokens)
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
+        """`config` is already validated (see `EngineConfig`); what is this worker's own:
+        its tensor-parallel `rank` of `world_size`, `device_index` (which of the visible GPUs
+        "cuda" means; default `rank`, and a data-parallel engine core's ranks come after the
+        earlier cores' ranks) and the CPU KV budget `kv_cache_memory_bytes` (None: the default
+        budget)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.model_name = model
-        self.device = resolve_device(device, rank if device_rank is None else device_rank)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = config
+        self.model_name = config.model
+        self.device = resolve_device(config.device, rank if device_index is None else device_index)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.rank = rank
         self.world_size = world_size
-        self.block_size = block_size
-        self.requested_max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = (
-            max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device.type]
+            config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device.type]
         )
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.seed = seed
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
-        self.enforce_eager = enforce_eager
-        self.disable_hybrid_kv_cache = disable_hybrid_kv_cache
         self.model = None
         self.model_path: Path | None = None
         self.model_config = None
@@ -102,7 +83,7 @@ class Worker:
         from common.model_files import resolve_model_path
         from worker.model_loader import load_model
 
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.config.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         init_distributed(self.rank, self.world_size, self.device)
@@ -111,12 +92,33 @@ class Worker:
             path, self.device, self.dtype, tp_rank=self.rank, tp_size=self.world_size
         )
         if self.device.type == "cpu":
-            cpu_kernel_loader.set_enabled(not self.enforce_eager)
+            cpu_kernel_loader.set_enabled(not self.config.enforce_eager)
             pack_linears(self.model)
         self._max_model_len = self._resolve_max_model_len()
         self.model_runner = self._new_model_runner()
         if self.device.type == "cuda":
             self._warm_up_attention_kernels()
+
+    def describe(self, ready: WorkerReady, load_s: float) -> str:
+        """The start-up log line: what runs where, and how much KV fits."""
+        threads = f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else ""
+        kv_bytes = ready.num_gpu_blocks * self.bytes_per_block
+        groups = self.kv_cache_groups
+        if len(groups) == 1:
+            blocks = f"{ready.num_gpu_blocks * ready.block_size} tokens"
+        else:  # a token takes a block slot in every group: the pool holds no fixed token count
+            windows = sorted({g.sliding_window for g in groups if g.sliding_window is not None})
+            blocks = (
+                f"{len(groups[0].layer_indices)} layers each, shared by {len(groups)} KV cache "
+                f"groups (sliding windows {windows} and full attention)"
+            )
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"worker rank {ready.rank}: {self.model_path} ({self.model_config.architecture}) on "
+            f"{self.device}, {dtype}{threads}, loaded in {load_s:.1f} s; room for a KV cache of "
+            f"{kv_bytes / 2**30:.2f} GiB = {ready.num_gpu_blocks} blocks of {ready.block_size} = "
+            f"{blocks}"
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -153,7 +155,8 @@ class Worker:
         """How the layers share KV blocks (one group of every layer unless the model mixes
         attention windows, and hybrid groups are not disabled); the core derives the same groups
         from `layer_sliding_windows` and the same flag."""
-        return group_layers(self.layer_sliding_windows, hybrid=not self.disable_hybrid_kv_cache)
+        hybrid = not self.config.disable_hybrid_kv_cache
+        return group_layers(self.layer_sliding_windows, hybrid=hybrid)
 
     @property
     def bytes_per_block(self) -> int:
@@ -168,7 +171,7 @@ class Worker:
         self._require_loaded()
         if self.device.type == "cuda":
             budget = cuda_kv_cache_bytes(
-                self.device, self.gpu_memory_utilization, self._profile_peak_step
+                self.device, self.config.gpu_memory_utilization, self._profile_peak_step
             )
         else:
             budget = cpu_kv_cache_bytes(self.kv_cache_memory_bytes)
@@ -176,12 +179,8 @@ class Worker:
 
     def initialize_cache(self, num_gpu_blocks: int) -> None:
         """Allocates per layer [2, num_gpu_blocks, block_size, num_kv_heads, head_dim] and a fresh
-        model runner (no request state)."""
+        model runner (no request state). The core's block pool has checked `num_gpu_blocks`."""
         self._require_loaded()
-        if num_gpu_blocks < 2:
-            raise ValueError(
-                f"num_gpu_blocks must be at least 2 (block 0 is the null block), got {num_gpu_blocks}"
-            )
         self.kv_caches = []
         self.model_runner = None
         if self.device.type == "cuda":
@@ -245,7 +244,7 @@ class Worker:
             max_num_reqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             eos_token_ids=self.eos_token_ids,
-            seed=self.seed,
+            seed=self.config.seed,
             structured_outputs=StructuredOutputManager(
                 self.model_path, self.vocab_size, self.eos_token_ids
             ),
@@ -254,10 +253,9 @@ class Worker:
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
-        requested = self.requested_max_model_len
+        requested = self.config.max_model_len
         if requested is None:
             return model_max
-        _check_positive("max_model_len", requested)
         if requested > model_max:
             raise ValueError(
                 f"max_model_len={requested} exceeds the model's context length "
@@ -307,8 +305,3 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES} or None, got {dtype!r}")
     return torch_dtype(dtype)
-
-
-def _check_positive(name: str, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
