@@ -36,7 +36,7 @@ class ModelExecutor(Protocol):
 
 
 class Executor(ModelExecutor, Protocol):
-    """The workers from start-up on: `core.executor.Executor` (worker processes) or
+    """The workers from start-up on: `core.multiproc_executor.MultiprocExecutor` (worker processes) or
     `worker.local_executor.LocalExecutor` (one worker in this process)."""
 
     def wait_until_ready(self) -> list[WorkerReady]: ...

@@ -34,15 +34,16 @@ import zmq
 from core.client_watch import ClientEvent, ClientWatch
 from core.engine_core import (
     EngineCore,
+    Executor,
     make_error_output,
     make_outputs,
     make_request,
     start_engine_core,
 )
-from core.executor import Executor, WorkerFailedError
 from core.kv_cache_events import KVCacheEventLog
+from core.multiproc_executor import MultiprocExecutor, WorkerFailedError
 from core.request import Request
-from core.scheduler import Scheduler, max_blocks_per_request
+from core.scheduler import Scheduler
 from core.step_trace import StepTrace
 from proto import (
     AbortRequests,
@@ -133,13 +134,12 @@ class EngineCoreProc:
 
     def _start_engine(self) -> EngineReady:
         """Starts the worker processes and runs the start-up handshake."""
-        self.executor = Executor(self.config)
+        self.executor = MultiprocExecutor(self.config)
         self.engine_core, ready = start_engine_core(self.config, self.executor)
         self.vocab_size = ready.vocab_size
         if self.config.data_parallel_size > 1:
             # The frontend routes by the cores' cached prefixes: report them with the outputs.
-            block_pool = self.engine_core.scheduler.kv_cache_manager.block_pool
-            self.kv_event_log = block_pool.enable_kv_cache_events()
+            self.kv_event_log = self.engine_core.scheduler.enable_kv_cache_events()
         return ready
 
     # ---- main thread: busy loop ------------------------------------------------------------
@@ -410,12 +410,13 @@ def _peek_request_id(frames: list[memoryview], max_frame_bytes: int) -> str | No
 def describe_ready(ready: EngineReady, start_s: float, scheduler: Scheduler) -> str:
     """The engine's start-up summary: its KV pool and how many requests it holds at full length
     (with KV cache groups, a token takes a block slot in every group it still needs)."""
-    groups = scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups
-    blocks_per_request = sum(max_blocks_per_request(g, scheduler.config) for g in groups)
-    num_full_length = (ready.num_gpu_blocks - 1) // blocks_per_request
+    num_full_length = (ready.num_gpu_blocks - 1) // scheduler.num_blocks_per_full_length_request
     pool = f"{ready.num_gpu_blocks * ready.block_size} tokens"
-    if len(groups) > 1:
-        pool = f"{len(groups)} KV cache groups sharing blocks of {ready.block_size} tokens"
+    if scheduler.num_kv_cache_groups > 1:
+        pool = (
+            f"{scheduler.num_kv_cache_groups} KV cache groups sharing blocks of "
+            f"{ready.block_size} tokens"
+        )
     return (
         f"engine core ready in {start_s:.1f} s: KV cache of {ready.num_gpu_blocks} blocks = "
         f"{pool}, max_model_len {ready.max_model_len} (up to {num_full_length} requests at full "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.kv_cache_coordinator import get_kv_cache_coordinator
+from core.kv_cache_events import KVCacheEventLog
 from core.kv_cache_spec import KVCacheConfig
 from core.kv_cache_utils import KVCacheBlock
 from core.request import Request
@@ -177,6 +178,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def enable_kv_cache_events(self) -> KVCacheEventLog:
+        """Turns on the pool's log of blocks cached and evicted (see `BlockPool`)."""
+        return self.block_pool.enable_kv_cache_events()
 
     def check_integrity(self) -> None:
         """Raises BlockPoolIntegrityError if the pool or any group's bookkeeping is unsound."""

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from common.math_utils import cdiv
+from core.kv_cache_events import KVCacheEventLog
 from core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from core.kv_cache_spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from core.request import Request, RequestStatus
@@ -174,6 +175,21 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def enable_kv_cache_events(self) -> KVCacheEventLog:
+        """Turns on the log of blocks cached and evicted that a data-parallel frontend routes
+        by (the caller takes its events after each step)."""
+        return self.kv_cache_manager.enable_kv_cache_events()
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return self.kv_cache_manager.kv_cache_config.num_groups
+
+    @property
+    def num_blocks_per_full_length_request(self) -> int:
+        """Blocks one request of max_model_len tokens holds at once, over every group."""
+        groups = self.kv_cache_manager.kv_cache_config.kv_cache_groups
+        return blocks_per_full_length_request(self.config, groups)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -463,9 +479,7 @@ def _check_pool_holds_one_request(config: SchedulerConfig, kv_cache_config: KVCa
     """A request of max_model_len tokens must fit in every group at once, or it could only
     ever preempt itself. A sliding-window group holds at most its window plus one step's
     tokens (the blocks before are freed as the request advances)."""
-    num_blocks_needed = sum(
-        max_blocks_per_request(spec, config) for spec in kv_cache_config.kv_cache_groups
-    )
+    num_blocks_needed = blocks_per_full_length_request(config, kv_cache_config.kv_cache_groups)
     if config.num_gpu_blocks - 1 < num_blocks_needed:
         raise ValueError(
             f"num_gpu_blocks={config.num_gpu_blocks} cannot hold one request of max_model_len="
@@ -473,6 +487,11 @@ def _check_pool_holds_one_request(config: SchedulerConfig, kv_cache_config: KVCa
             f"({num_blocks_needed} blocks of {config.block_size} plus the null block); "
             "lower max_model_len or give the KV cache more memory"
         )
+
+
+def blocks_per_full_length_request(config: SchedulerConfig, groups: list[KVCacheSpec]) -> int:
+    """Blocks one request of max_model_len tokens holds at once in all of `groups`."""
+    return sum(max_blocks_per_request(spec, config) for spec in groups)
 
 
 def max_blocks_per_request(spec: KVCacheSpec, config: SchedulerConfig) -> int:

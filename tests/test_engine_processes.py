@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from common.ports import find_free_port_pair
-from core.executor import Executor
+from core.multiproc_executor import MultiprocExecutor
 from frontend.core_client import AsyncCoreClient, EngineDeadError
 from proto import (
     EngineCoreOutput,
@@ -237,7 +237,7 @@ def test_too_long_and_invalid_prompts_come_back_as_errors_and_the_engine_keeps_s
 def test_executor_step_answer_arrives_on_a_pipe_its_owner_polls():
     """The executor only sends and receives: after `send_step` the owner polls the workers'
     pipes next to its own sockets, and the readable pipe yields rank 0's answer."""
-    executor = Executor(EngineConfig(model="null", tensor_parallel_size=2))
+    executor = MultiprocExecutor(EngineConfig(model="null", tensor_parallel_size=2))
     pids = [worker.process.pid for worker in executor.workers]
     try:
         executor.wait_until_ready()

@@ -39,7 +39,7 @@ import pytest
 
 from common.ports import find_free_port
 from common.process_watch import python_module_command
-from core.executor import Executor
+from core.multiproc_executor import MultiprocExecutor
 from frontend.core_client import AsyncCoreClient, EngineDeadError
 from proto import (
     EngineCoreOutput,
@@ -355,7 +355,7 @@ def test_a_worker_address_in_use_fails_before_any_worker_starts():
         )
         children_before = child_pids(os.getpid())
         with pytest.raises(OSError, match=rf"cannot listen for workers at tcp://127.0.0.1:{port}"):
-            Executor(config)
+            MultiprocExecutor(config)
         assert child_pids(os.getpid()) == children_before
 
 

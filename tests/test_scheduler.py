@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.kv_cache_spec import KVCacheConfig
 from core.request import RequestStatus
 from core.scheduler import SchedulerConfig
 from proto import FinishReason, ModelRunnerOutput
@@ -395,3 +396,20 @@ def test_an_abort_while_waiting_for_the_grammar_frees_the_request():
     late = ModelRunnerOutput(grammars_ready=["sent"])  # a report racing the abort
     assert scheduler.update_from_output(output, late).outputs == []
     assert not scheduler.has_unfinished_requests() and len(scheduler.waiting) == 0
+
+
+def test_the_scheduler_answers_what_the_engine_core_needs_of_its_kv_pool():
+    full = make_scheduler(max_model_len=64)
+    assert full.num_kv_cache_groups == 1
+    assert full.num_blocks_per_full_length_request == 64 // 4
+    hybrid = make_scheduler(
+        KVCacheConfig.for_layers([None, 8], 4, 64), max_model_len=64, max_num_batched_tokens=8
+    )  # the window group holds the window plus one step's tokens, not the whole request
+    assert hybrid.num_kv_cache_groups == 2
+    assert 64 // 4 < hybrid.num_blocks_per_full_length_request < 2 * (64 // 4)
+
+    log = full.enable_kv_cache_events()
+    full.add_request(make_request("a", list(range(10))))
+    run_step(full)
+    events = log.take()
+    assert events is not None and len(events.stored) == 2  # the two full blocks of 4 tokens

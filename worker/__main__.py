@@ -1,7 +1,7 @@
-"""`python -m worker ...`: one device process, started by the engine core's Executor, or by
+"""`python -m worker ...`: one device process, started by the engine core's MultiprocExecutor, or by
 hand (ssh, a cluster launcher) on another host.
 
-Local (the Executor's child): `--pipe-fd FD --dist-init-address ADDR --config B64`; the pipe is
+Local (the MultiprocExecutor's child): `--pipe-fd FD --dist-init-address ADDR --config B64`; the pipe is
 a socketpair end the core passed down. Remote: `--core-address tcp://HOST:PORT` only; the worker
 connects to the core, says `WorkerHello` and gets the config and the torch.distributed address
 in `WorkerWelcome` (see `worker.core_link`), or the core's reason for refusing it (exit 1).

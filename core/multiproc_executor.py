@@ -1,4 +1,4 @@
-"""`Executor`: the engine core's side of the worker processes.
+"""`MultiprocExecutor`: the engine core's side of the worker processes (an `Executor`).
 
 It starts ranks 0..K-1 (`EngineConfig.num_local_ranks`, by default all `tensor_parallel_size`)
 as processes (`python -m worker`, so `core/` never imports `worker/`) and talks to each over its
@@ -96,7 +96,7 @@ class WorkerProcess:
         return f"worker rank {self.rank} ({where})"
 
 
-class Executor:
+class MultiprocExecutor:
     """Owns the worker processes and their pipes; not thread-safe (the busy loop's thread)."""
 
     def __init__(self, config: EngineConfig) -> None:
