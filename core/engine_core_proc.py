@@ -54,6 +54,7 @@ from proto import (
     MessageDecoder,
     MessageEncoder,
     ModelRunnerOutput,
+    UtilityMethod,
     UtilityRequest,
     UtilityResponse,
 )
@@ -67,7 +68,6 @@ POLL_INTERVAL_S = 0.1
 OUTPUT_LINGER_MS = 2000
 # Frames decoded per read of the DEALER, so a flood of requests cannot starve a step.
 MAX_FRAMES_PER_READ = 4096
-UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "ping")
 
 InputItem = Request | AbortRequests | UtilityRequest
 
@@ -214,20 +214,15 @@ class EngineCoreProc:
             self._send(self._call_utility(item))
 
     def _call_utility(self, call: UtilityRequest) -> UtilityResponse:
-        if call.method == "get_stats":
+        if call.method is UtilityMethod.GET_STATS:
             return UtilityResponse(call.call_id, stats=self.engine_core.get_stats())
-        if call.method == "reset_prefix_cache":
-            if self.engine_core.reset_prefix_cache():
-                return UtilityResponse(call.call_id)
+        if call.method is UtilityMethod.RESET_PREFIX_CACHE and not (
+            self.engine_core.reset_prefix_cache()
+        ):
             return UtilityResponse(
                 call.call_id, error="cannot reset the prefix cache while requests hold KV blocks"
             )
-        if call.method == "ping":
-            return UtilityResponse(call.call_id)
-        return UtilityResponse(
-            call.call_id,
-            error=f"unknown utility method {call.method!r}; known: {', '.join(UTILITY_METHODS)}",
-        )
+        return UtilityResponse(call.call_id)  # reset done, or a ping
 
     # ---- clients, one after another --------------------------------------------------------
 

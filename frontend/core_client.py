@@ -44,6 +44,7 @@ from proto import (
     MessageDecoder,
     MessageEncoder,
     SchedulerStats,
+    UtilityMethod,
     UtilityRequest,
     UtilityResponse,
 )
@@ -310,15 +311,15 @@ class AsyncCoreClient:
         return self.dead_reason
 
     async def get_stats(self) -> SchedulerStats:
-        response = await self._call_utility("get_stats")
+        response = await self._call_utility(UtilityMethod.GET_STATS)
         return response.stats
 
     async def reset_prefix_cache(self) -> bool:
         """True if the prefix cache was reset; False while requests hold KV blocks."""
-        response = await self._call_utility("reset_prefix_cache")
+        response = await self._call_utility(UtilityMethod.RESET_PREFIX_CACHE)
         return response.error is None
 
-    async def _call_utility(self, method: str) -> UtilityResponse:
+    async def _call_utility(self, method: UtilityMethod) -> UtilityResponse:
         self._raise_if_dead()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()

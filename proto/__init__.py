@@ -12,6 +12,7 @@ from proto.engine_messages import (
     KVCacheEvents,
     SchedulerStats,
     TokenLogprobs,
+    UtilityMethod,
     UtilityRequest,
     UtilityResponse,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "SchedulerStats",
     "Shutdown",
     "TokenLogprobs",
+    "UtilityMethod",
     "UtilityRequest",
     "UtilityResponse",
     "WorkerError",

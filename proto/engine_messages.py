@@ -41,14 +41,19 @@ class AbortRequests(msgspec.Struct, array_like=True, gc=False):
     request_ids: list[str]
 
 
-class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A call into the core that answers with one `UtilityResponse` carrying the same call_id.
+class UtilityMethod(enum.StrEnum):
+    """What a `UtilityRequest` asks the core; a value outside these fails to decode."""
 
-    method: "get_stats" | "reset_prefix_cache" | "ping".
-    """
+    GET_STATS = "get_stats"  # answered with the scheduler's stats
+    RESET_PREFIX_CACHE = "reset_prefix_cache"  # an error while requests hold KV blocks
+    PING = "ping"  # an empty answer: the core is alive and reading
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A call into the core that answers with one `UtilityResponse` carrying the same call_id."""
 
     call_id: int
-    method: str
+    method: UtilityMethod
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

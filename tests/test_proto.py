@@ -21,9 +21,11 @@ from proto import (
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
+    UtilityMethod,
+    UtilityRequest,
     UtilityResponse,
 )
-from proto.codec import MESSAGE_TYPES
+from proto.codec import MESSAGE_TYPES, TYPE_TO_CODE
 
 
 def sample_messages():
@@ -154,3 +156,13 @@ def test_finish_reason_prints_openai_names():
 def test_encoder_refuses_non_messages():
     with pytest.raises(TypeError, match="is not a wire message"):
         MessageEncoder().encode(SamplingParams())
+
+
+def test_a_utility_call_is_one_of_the_core_s_methods_or_fails_to_decode():
+    call = UtilityRequest(3, UtilityMethod.RESET_PREFIX_CACHE)
+    frames = MessageEncoder().encode(call)
+    decoded = MessageDecoder([UtilityRequest]).decode(frames)
+    assert decoded.method is UtilityMethod.RESET_PREFIX_CACHE
+    unknown = [TYPE_TO_CODE[UtilityRequest], msgspec.msgpack.encode([4, "drop_everything"])]
+    with pytest.raises(MessageDecodeError, match="drop_everything|UtilityMethod|Invalid enum"):
+        MessageDecoder([UtilityRequest]).decode(unknown)
