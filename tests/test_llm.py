@@ -284,6 +284,9 @@ def test_chunked_prefill_can_be_switched_off_as_in_vllm():
             max_model_len=256,
             max_num_batched_tokens=128,
         )
-    # The null worker's own budget (2048) is below the context window asked for.
-    with pytest.raises(EngineDeadError, match="max_num_batched_tokens=2048 is below max_model_len"):
-        LLM(model="null", enable_chunked_prefill=False, max_model_len=4096)
+    # No budget given: the workers raise their default (the null worker's 2048) to max_model_len,
+    # as vLLM does, so a prompt of 3000 tokens is prefilled in one step.
+    with LLM(model="null", enable_chunked_prefill=False, max_model_len=4096) as llm:
+        prompt = [i % 200 + 1 for i in range(3000)]
+        output = llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert output[0].outputs[0].text == "**"

@@ -40,7 +40,8 @@ class Worker:
     Every rank sees full logits and samples, but only rank 0's samples are meant to be used;
     other ranks take token history from `CachedRequestData.new_token_ids`.
     `kv_cache_memory_bytes` replaces the CPU KV budget (default min(4 GiB, 40% of MemAvailable)).
-    The config's `max_num_batched_tokens` None takes DEFAULT_MAX_NUM_BATCHED_TOKENS for the device.
+    The config's `max_num_batched_tokens` None takes DEFAULT_MAX_NUM_BATCHED_TOKENS for the device,
+    raised to max_model_len (once known, in `load_model`) when chunked prefill is off.
     """
 
     def __init__(
@@ -95,6 +96,9 @@ class Worker:
             cpu_kernel_loader.set_enabled(not self.config.enforce_eager)
             pack_linears(self.model)
         self._max_model_len = self._resolve_max_model_len()
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens is None:
+            # A prompt is prefilled in one step: the step must hold the longest one (vLLM too).
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self._max_model_len)
         self.model_runner = self._new_model_runner()
         if self.device.type == "cuda":
             self._warm_up_attention_kernels()
