@@ -97,6 +97,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
         # Messages are formatted only on failure: this runs in every process a request crosses.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_sampling()
+        self._check_lengths_and_stops()
+        self._check_seed_and_penalties()
+        self._check_token_biases()
+        self._check_logprobs_and_salt()
+
+    def _check_sampling(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if not self.temperature >= 0.0 or self.temperature == math.inf:  # NaN fails >=
@@ -111,6 +118,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             self.top_k = 0
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _check_lengths_and_stops(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -123,6 +132,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             raise ValueError("stop strings must not be empty")
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+    def _check_seed_and_penalties(self) -> None:
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED - (self.n - 1):
             raise ValueError(
                 f"seed must be in [{MIN_SEED}, {MAX_SEED - (self.n - 1)}] (choice i of n uses "
@@ -137,6 +148,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
                 f"{self.repetition_penalty}"
             )
+
+    def _check_token_biases(self) -> None:
         for token_id, bias in self.logit_bias.items():
             if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(
@@ -149,6 +162,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             t < 0 for ids in self.bad_words_token_ids for t in ids
         ):
             raise ValueError("bad_words_token_ids must be non-empty lists of token ids >= 0")
+
+    def _check_logprobs_and_salt(self) -> None:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
