@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from frontend.api_server import APIError, ServerSettings, _check_model, _error_json
-from frontend.openai_protocol import ErrorResponse
+from frontend.openai.app import APIError, ServerSettings, _check_model, _error_json
+from frontend.openai.protocol.sampling_fields import ErrorResponse
 
 
 def test_a_404_naming_a_model_that_utf8_cannot_encode_has_a_json_body():

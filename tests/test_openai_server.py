@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from frontend.null_tokenizer import NullTokenizer
-from frontend.openai_protocol import (
+from frontend.openai.protocol.sampling_fields import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -12,7 +12,7 @@ fails the same way ends with such an error event before `data: [DONE]`.
 A streaming client that disconnects has its requests aborted, which frees their KV blocks.
 `priority` (both endpoints) orders requests under `--policy priority` (lower first); any value
 but 0 is a 400 under fcfs.
-How the app is run (port, signals, engine death) is `frontend.http_server`'s.
+How the app is run (port, signals, engine death) is `frontend.openai.http_server`'s.
 """
 
 from __future__ import annotations
@@ -44,17 +44,17 @@ from frontend.async_engine_client import (
     Prompt,
     ServiceStoppedError,
 )
-from frontend.body_limit import BodySizeLimit
 from frontend.core_client import EngineCoreNotFoundError, EngineDeadError
 from frontend.data_parallel_client import sum_stats
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from frontend.openai_logprobs import (
+from frontend.openai.body_limit import BodySizeLimit
+from frontend.openai.logprobs import (
     append_logprobs,
     chat_logprobs,
     echo_logprobs,
     vllm_prompt_logprobs,
 )
-from frontend.openai_protocol import (
+from frontend.openai.protocol.sampling_fields import (
     TEXT_NOT_UTF8,
     AssistantMessage,
     ChatCompletionChoice,
@@ -81,8 +81,8 @@ from frontend.openai_protocol import (
     VersionResponse,
     random_id,
 )
+from frontend.openai.tool_calls import ToolChoiceError, ToolPlan, plan_tools
 from frontend.request_output import CompletionOutput, RequestOutput
-from frontend.tool_calls import ToolChoiceError, ToolPlan, plan_tools
 from proto import SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
 

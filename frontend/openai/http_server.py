@@ -24,8 +24,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from frontend.api_server import ServerSettings, build_app
 from frontend.async_engine_client import AsyncEngineClient
+from frontend.openai.app import ServerSettings, build_app
 from proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ prompt's tokens first), chat `logprobs.content`, and vLLM's `prompt_logprobs`.""
 from __future__ import annotations
 
 from frontend.async_engine_client import AsyncEngineClient
-from frontend.openai_protocol import (
+from frontend.openai.protocol.sampling_fields import (
     ChatChoiceLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
