@@ -13,8 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from frontend.openai.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from frontend.openai.http_server import PortInUseError, serve
+from frontend.openai.server_settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from frontend.openai.tool_calls import TOOL_CALL_PARSERS
 from proto.engine_config import EngineConfig
 
