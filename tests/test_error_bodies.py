@@ -8,7 +8,7 @@ import pytest
 
 from frontend.openai.api_error import APIError, _error_json
 from frontend.openai.app import _check_model
-from frontend.openai.protocol.sampling_fields import ErrorResponse
+from frontend.openai.protocol.errors import ErrorResponse
 from frontend.openai.server_settings import ServerSettings
 
 

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from common.model_files import resolve_model_path
-from frontend.openai.protocol.sampling_fields import ChatCompletionRequest
+from frontend.openai.protocol.chat import ChatCompletionRequest
 from frontend.openai.tool_calls import ToolChoiceError, hermes_tool_calls, plan_tools
 from frontend.tokenizer import load_tokenizer
 from proto import SamplingParams

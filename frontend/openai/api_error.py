@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.async_engine_client import ServiceStoppedError
 from frontend.core_client import EngineDeadError
-from frontend.openai.protocol.sampling_fields import TEXT_NOT_UTF8, ErrorInfo, ErrorResponse
+from frontend.openai.protocol.base import TEXT_NOT_UTF8
+from frontend.openai.protocol.errors import ErrorInfo, ErrorResponse
 from frontend.request_output import RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -40,16 +40,14 @@ from frontend.openai.api_error import APIError, add_error_handlers
 from frontend.openai.body_limit import BodySizeLimit
 from frontend.openai.chat import create_chat_completion
 from frontend.openai.completions import create_completion
-from frontend.openai.protocol.sampling_fields import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from frontend.openai.protocol.chat import ChatCompletionRequest
+from frontend.openai.protocol.completions import CompletionRequest
+from frontend.openai.protocol.models import ModelCard, ModelList, VersionResponse
+from frontend.openai.protocol.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    VersionResponse,
 )
 from frontend.openai.server_settings import ServerSettings
 from proto import SchedulerStats

@@ -25,19 +25,17 @@ from frontend.openai.engine_requests import (
 )
 from frontend.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from frontend.openai.output_streams import final_outputs, merge_outputs
-from frontend.openai.protocol.sampling_fields import (
+from frontend.openai.protocol.base import UsageInfo, random_id
+from frontend.openai.protocol.chat import (
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
-    UsageInfo,
-    random_id,
 )
+from frontend.openai.protocol.tools import DeltaFunctionCall, DeltaToolCall
 from frontend.openai.server_settings import ServerSettings
 from frontend.openai.sse import SSE_DONE, sse, sse_error
 from frontend.openai.tool_calls import ToolChoiceError, ToolPlan, plan_tools

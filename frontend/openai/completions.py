@@ -26,13 +26,12 @@ from frontend.openai.engine_requests import (
 )
 from frontend.openai.logprobs import append_logprobs, echo_logprobs, vllm_prompt_logprobs
 from frontend.openai.output_streams import final_outputs, merge_outputs
-from frontend.openai.protocol.sampling_fields import (
+from frontend.openai.protocol.base import UsageInfo, random_id
+from frontend.openai.protocol.completions import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
-    random_id,
 )
 from frontend.openai.sse import SSE_DONE, sse, sse_error
 from frontend.request_output import RequestOutput

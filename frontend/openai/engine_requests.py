@@ -17,11 +17,9 @@ from frontend.async_engine_client import (
 )
 from frontend.core_client import EngineDeadError
 from frontend.openai.api_error import APIError, unavailable_error
-from frontend.openai.protocol.sampling_fields import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    UsageInfo,
-)
+from frontend.openai.protocol.base import UsageInfo
+from frontend.openai.protocol.chat import ChatCompletionRequest
+from frontend.openai.protocol.completions import CompletionRequest
 from frontend.request_output import RequestOutput
 from proto import SamplingParams
 

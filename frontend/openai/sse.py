@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from frontend.openai.api_error import APIError
-from frontend.openai.protocol.sampling_fields import ErrorResponse
+from frontend.openai.protocol.errors import ErrorResponse
 
 SSE_DONE = "data: [DONE]\n\n"
 
