@@ -21,11 +21,11 @@ from frontend.core_client import AsyncCoreClient, EngineDeadError
 from frontend.core_client_protocol import CoreClient
 from frontend.data_parallel_client import DataParallelCoreClient
 from frontend.metrics import EngineMetrics
-from frontend.null_tokenizer import NullTokenizer
 from frontend.output_processor import OutputProcessor
 from frontend.request_output import RequestOutput
 from frontend.structured_outputs import check_structured_outputs
-from frontend.unicode_text import describe_text_not_utf8
+from frontend.text.null_tokenizer import NullTokenizer
+from frontend.text.unicode_text import describe_text_not_utf8
 from proto import EngineCoreOutput, FinishReason, SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
 from proto.sampling_params import StructuredOutputs
@@ -53,7 +53,7 @@ def load_engine_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer of `config.model`: the byte tokenizer for "null", else the model's own."""
     if config.is_null_model:
         return NullTokenizer()
-    from frontend.tokenizer import load_tokenizer
+    from frontend.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path(config.model))
 

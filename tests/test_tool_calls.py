@@ -11,7 +11,7 @@ import pytest
 from common.model_files import resolve_model_path
 from frontend.openai.protocol.chat import ChatCompletionRequest
 from frontend.openai.tool_calls import ToolChoiceError, hermes_tool_calls, plan_tools
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.engine_helpers import in_process_engine

@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from frontend.unicode_text import find_text_not_utf8
+from frontend.text.unicode_text import find_text_not_utf8
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from pydantic import (
     field_validator,
 )
 
-from frontend.unicode_text import printable_text
+from frontend.text.unicode_text import printable_text
 
 
 class ErrorInfo(BaseModel):
