@@ -69,7 +69,7 @@ class GenerationOutput:
 
 
 class TextCodec(Protocol):
-    """What `generate_text` needs of a tokenizer (`frontend.tokenizer.Tokenizer` has it)."""
+    """What `generate_text` needs of a tokenizer (`frontend.text.tokenizer.Tokenizer` has it)."""
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -1,8 +1,8 @@
 """`AsyncEngineClient`: the asyncio API of the engine, from prompts to streamed `RequestOutput`s.
 
-It sits on the low-level `AsyncCoreClient` (sockets to the engine core process) and adds what
-users need: tokenization, validation against the context window, n-way fan-out, incremental
-detokenization, stop strings, aborts and metrics.
+It sits on a `CoreClient` (sockets to the engine core process, or to several behind a
+data-parallel router) and adds what users need: tokenization, validation against the context
+window, n-way fan-out, incremental detokenization, stop strings, aborts and metrics.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import msgspec
 
 from common.model_files import resolve_model_path
 from frontend.core_client import AsyncCoreClient, EngineDeadError
+from frontend.core_client_protocol import CoreClient
 from frontend.data_parallel_client import DataParallelCoreClient
 from frontend.metrics import EngineMetrics
-from frontend.null_tokenizer import NullTokenizer
 from frontend.output_processor import OutputProcessor
 from frontend.request_output import RequestOutput
 from frontend.structured_outputs import check_structured_outputs
-from frontend.unicode_text import describe_text_not_utf8
+from frontend.text.null_tokenizer import NullTokenizer
+from frontend.text.unicode_text import describe_text_not_utf8
 from proto import EngineCoreOutput, FinishReason, SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
 from proto.sampling_params import StructuredOutputs
@@ -52,7 +53,7 @@ def load_engine_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer of `config.model`: the byte tokenizer for "null", else the model's own."""
     if config.is_null_model:
         return NullTokenizer()
-    from frontend.tokenizer import load_tokenizer
+    from frontend.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path(config.model))
 
@@ -87,7 +88,7 @@ class AsyncEngineClient:
                 f"data_parallel_size={config.data_parallel_size} launches its own engine cores; "
                 f"attaching to the one at {address} serves a single core"
             )
-        self._core = (
+        self._core: CoreClient = (
             DataParallelCoreClient(config)
             if config.data_parallel_size > 1
             else AsyncCoreClient(config, address, launch_core=address is None)
@@ -308,9 +309,7 @@ class AsyncEngineClient:
     async def get_stats_per_core(self) -> list[SchedulerStats]:
         """Each engine core's stats, in data-parallel rank order (one entry for one core)."""
         self._raise_if_dead()
-        if isinstance(self._core, DataParallelCoreClient):
-            return await self._core.get_stats_per_core()
-        return [await self._core.get_stats()]
+        return await self._core.get_stats_per_core()
 
     async def reset_prefix_cache(self) -> bool:
         """True if the prefix cache was reset; False while requests hold KV blocks."""

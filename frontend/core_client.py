@@ -72,7 +72,8 @@ class EngineCoreNotFoundError(TimeoutError):
 
 
 class AsyncCoreClient:
-    """Sends requests to one engine core and routes its outputs to per-request queues.
+    """Sends requests to one engine core and routes its outputs to per-request queues (a
+    `CoreClient`).
 
     Contract: after `start()`, the queue returned by `add_request` receives that request's
     `EngineCoreOutput`s in order and then nothing more once one is finished (STOP, LENGTH,
@@ -313,6 +314,10 @@ class AsyncCoreClient:
     async def get_stats(self) -> SchedulerStats:
         response = await self._call_utility(UtilityMethod.GET_STATS)
         return response.stats
+
+    async def get_stats_per_core(self) -> list[SchedulerStats]:
+        """One core: its stats, as the one entry."""
+        return [await self.get_stats()]
 
     async def reset_prefix_cache(self) -> bool:
         """True if the prefix cache was reset; False while requests hold KV blocks."""

@@ -48,7 +48,7 @@ class _Placement:
 
 
 class DataParallelCoreClient:
-    """`AsyncCoreClient`'s interface over `config.data_parallel_size` launched cores."""
+    """A `CoreClient` over `config.data_parallel_size` launched cores."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

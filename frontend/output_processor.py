@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from frontend.detokenizer import Decoder, IncrementalDetokenizer
 from frontend.request_output import CompletionOutput, RequestOutput
+from frontend.text.detokenizer import Decoder, IncrementalDetokenizer
 from proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams, TokenLogprobs
 from proto.sampling_params import stop_on_eos
 

@@ -282,7 +282,7 @@ def core_serve(engine_flags: Sequence[str], log_path: Path | None = None) -> Ite
     """
     port = find_free_port()
     argv = [
-        sys.executable, "-m", "frontend.cli",
+        sys.executable, "-m", "frontend.openai.cli",
         "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
         *engine_flags,
     ]  # fmt: skip

@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from common.dtypes import DTYPE_NAMES
 from common.model_files import resolve_model_path
 from core.in_process_engine import GenerationOutput, InProcessEngine
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from worker.local_executor import LocalExecutor

@@ -35,7 +35,7 @@ from common.model_files import resolve_model_path
 from core.engine_core import start_engine_core
 from core.request import Request
 from core.scheduler import Scheduler
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from proto import (
     MessageDecoder,
     MessageEncoder,

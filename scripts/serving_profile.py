@@ -156,7 +156,7 @@ def _server_pid(url: str) -> int:
     port = url.rsplit(":", 1)[1]
     for pid in proc_stats.process_tree(os.getpid())[1:]:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"frontend.cli" in cmdline and port.encode() in cmdline:
+        if b"frontend.openai.cli" in cmdline and port.encode() in cmdline:
             return pid
     raise RuntimeError(f"no core-serve process listening on port {port}")
 

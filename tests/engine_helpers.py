@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from common.model_files import resolve_model_path
 from core.in_process_engine import GenerationOutput, InProcessEngine
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from worker.local_executor import LocalExecutor

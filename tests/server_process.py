@@ -18,7 +18,7 @@ STARTUP_TIMEOUT_S = 120.0
 
 
 class ServerProcess:
-    """A `python -m frontend.cli` child on a free port, its output in `log_path`."""
+    """A `python -m frontend.openai.cli` child on a free port, its output in `log_path`."""
 
     def __init__(
         self,
@@ -34,7 +34,15 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "--host", "127.0.0.1", "--port", str(self.port)]
+            [
+                sys.executable,
+                "-m",
+                "frontend.openai.cli",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ]
             + args,
             stdout=self._log,
             stderr=subprocess.STDOUT,

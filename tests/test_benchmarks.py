@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from core.step_trace import StepRecord
-from frontend.null_tokenizer import NullTokenizer
+from frontend.text.null_tokenizer import NullTokenizer
 from kernels.cuda import backend as cuda_backend
 from scripts import (
     bench_attention,

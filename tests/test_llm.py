@@ -22,7 +22,7 @@ from frontend import (
     SamplingParams,
     ServiceStoppedError,
 )
-from frontend.null_tokenizer import NullTokenizer
+from frontend.text.null_tokenizer import NullTokenizer
 from proto.engine_config import EngineConfig
 
 NULL_TOKEN_TEXT = "*"

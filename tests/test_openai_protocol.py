@@ -9,13 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from frontend.openai_protocol import (
-    CHAT_NOT_SUPPORTED,
-    IGNORED,
-    NOT_SUPPORTED,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from frontend.openai.protocol.chat import CHAT_NOT_SUPPORTED, ChatCompletionRequest
+from frontend.openai.protocol.completions import CompletionRequest
+from frontend.openai.protocol.sampling_fields import IGNORED, NOT_SUPPORTED
 from proto.sampling_params import StructuredOutputs
 
 REFUSED_VALUES = {
@@ -129,7 +125,7 @@ def test_two_output_constraints_or_a_schema_without_its_type_are_refused():
 
 
 def test_unknown_fields_are_accepted_and_logged_once_and_the_ignored_ones_accepted(caplog):
-    with caplog.at_level(logging.WARNING, logger="frontend.openai_protocol"):
+    with caplog.at_level(logging.WARNING, logger="frontend.openai.protocol.base"):
         CompletionRequest(**COMPLETION, some_new_field=0.5)
         CompletionRequest(**COMPLETION, some_new_field=0.7)
     logged = [r for r in caplog.records if "some_new_field" in r.getMessage()]

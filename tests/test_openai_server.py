@@ -21,13 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend.null_tokenizer import NullTokenizer
-from frontend.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from frontend.openai.protocol.chat import ChatCompletionRequest
+from frontend.openai.protocol.completions import CompletionRequest
+from frontend.openai.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from frontend.text.null_tokenizer import NullTokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.server_process import ServerProcess, wait_until

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.null_tokenizer import NullTokenizer
 from frontend.output_processor import (
     OutputProcessor,
     core_request_ids,
     find_stop_string,
     num_stop_prefix_chars,
 )
+from frontend.text.null_tokenizer import NullTokenizer
 from proto import EngineCoreOutput, FinishReason, SamplingParams, TokenLogprobs
 
 TOKENIZER = NullTokenizer()

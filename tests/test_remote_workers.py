@@ -315,7 +315,7 @@ def test_worker_placement_is_validated_with_the_values(fields, message):
 
 
 def test_the_placement_flags_reach_the_config():
-    from frontend.cli import parse_args
+    from frontend.openai.cli import parse_args
 
     config, _, _ = parse_args(
         [

@@ -14,7 +14,7 @@ import gguf
 import pytest
 import torch
 
-from frontend.tokenizer import load_tokenizer, merges_from_scores
+from frontend.text.tokenizer import load_tokenizer, merges_from_scores
 from tests.test_tokenizer_parity import CORPUS
 
 SPACE = "\u2581"
@@ -160,7 +160,7 @@ def test_other_tokenizer_models_are_refused_with_the_supported_ones(tmp_path):
 def test_streamed_output_text_is_the_text_in_context(tokenizers_pair, text):
     """Each streamed piece keeps the space SentencePiece spells into it ("▁fox" -> " fox"),
     which decoding the output alone would strip."""
-    from frontend.detokenizer import IncrementalDetokenizer
+    from frontend.text.detokenizer import IncrementalDetokenizer
 
     ours, _ = tokenizers_pair
     token_ids = ours.encode(text, add_special_tokens=False)

@@ -274,7 +274,15 @@ def test_a_busy_port_fails_at_once_naming_it_before_any_engine_starts(tmp_path):
         taken.listen(1)
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "frontend.cli", "--host", "127.0.0.1", "--port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "frontend.openai.cli",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
             capture_output=True,
             text=True,
             timeout=60,

@@ -18,7 +18,7 @@ from core.engine_core import EngineCore
 from core.in_process_engine import run_requests
 from core.request import Request, RequestStatus
 from frontend.structured_outputs import check_structured_outputs
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from proto import EngineCoreOutput, FinishReason, SamplingParams
 from proto.engine_config import EngineConfig
 from proto.sampling_params import StructuredOutputs

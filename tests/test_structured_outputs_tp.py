@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from common.model_files import resolve_model_path
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from proto.engine_config import EngineConfig
 from proto.sampling_params import StructuredOutputs

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from common.model_files import default_model_path
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 from tests.model_fixtures import (
     build_tiny_model_folder,
     write_byte_level_tokenizer,

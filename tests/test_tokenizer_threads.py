@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from common.model_files import default_model_path
-from frontend.tokenizer import load_tokenizer
+from frontend.text.tokenizer import load_tokenizer
 
 
 def test_tokenizing_on_a_thread_does_not_hold_the_event_loop():

@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 
 from common.model_files import resolve_model_path
-from frontend.openai_protocol import ChatCompletionRequest
-from frontend.tokenizer import load_tokenizer
-from frontend.tool_calls import ToolChoiceError, hermes_tool_calls, plan_tools
+from frontend.openai.protocol.chat import ChatCompletionRequest
+from frontend.openai.tool_calls import ToolChoiceError, hermes_tool_calls, plan_tools
+from frontend.text.tokenizer import load_tokenizer
 from proto import SamplingParams
 from proto.engine_config import EngineConfig
 from tests.engine_helpers import in_process_engine

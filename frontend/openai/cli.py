@@ -13,9 +13,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from frontend.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
-from frontend.http_server import PortInUseError, serve
-from frontend.tool_calls import TOOL_CALL_PARSERS
+from frontend.openai.http_server import PortInUseError, serve
+from frontend.openai.server_settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from frontend.openai.tool_calls import TOOL_CALL_PARSERS
 from proto.engine_config import EngineConfig
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"

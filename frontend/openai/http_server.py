@@ -24,8 +24,9 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from frontend.api_server import ServerSettings, build_app
 from frontend.async_engine_client import AsyncEngineClient
+from frontend.openai.app import build_app
+from frontend.openai.server_settings import ServerSettings
 from proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)

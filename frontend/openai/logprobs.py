@@ -4,14 +4,9 @@ prompt's tokens first), chat `logprobs.content`, and vLLM's `prompt_logprobs`.""
 from __future__ import annotations
 
 from frontend.async_engine_client import AsyncEngineClient
-from frontend.openai_protocol import (
-    ChatChoiceLogprobs,
-    ChatTokenLogprob,
-    CompletionLogprobs,
-    PromptLogprob,
-    PromptLogprobs,
-    TopLogprob,
-)
+from frontend.openai.protocol.base import PromptLogprob, PromptLogprobs
+from frontend.openai.protocol.chat import ChatChoiceLogprobs, ChatTokenLogprob, TopLogprob
+from frontend.openai.protocol.completions import CompletionLogprobs
 from frontend.request_output import CompletionOutput, RequestOutput
 from proto import TokenLogprobs
 

@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.openai_protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from frontend.openai.protocol.chat import ChatCompletionRequest
+from frontend.openai.protocol.tools import FunctionCall, ToolCall
 from proto.sampling_params import StructuredOutputs
 
 TOOL_CALL_PARSERS = ("hermes",)

@@ -28,7 +28,7 @@ from common.model_files import (
     TOKENIZER_FILE_NAME,
     is_gguf_file,
 )
-from frontend.chat_templates import default_gguf_chat_template
+from frontend.text.chat_templates import default_gguf_chat_template
 
 CHAT_TEMPLATE_FILE_NAME = "chat_template.jinja"
 CHAT_TEMPLATE_JSON_FILE_NAME = "chat_template.json"

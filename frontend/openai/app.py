@@ -1,0 +1,302 @@
+"""OpenAI-compatible HTTP server: FastAPI routes on one `AsyncEngineClient`.
+
+Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events ending in
+`data: [DONE]` with `stream: true`), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize
+and /detokenize, GET /version, /health and /metrics (Prometheus text). Every error uses OpenAI's
+body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid parameters (a body that
+is not JSON included, and text UTF-8 cannot encode anywhere in a body, named by its JSON path
+such as `stop[0]`), 401 for a bad API key, 404 for an unknown model or route, 405 for a wrong
+method, 413 for a body over `--max-request-body-bytes`, 500 for a bug or a request the engine
+failed (a worker died), 503 once the engine is dead or the server is shutting down. A stream that
+fails the same way ends with such an error event before `data: [DONE]`.
+A streaming client that disconnects has its requests aborted, which frees their KV blocks.
+`priority` (both endpoints) orders requests under `--policy priority` (lower first); any value
+but 0 is a 400 under fcfs.
+How the app is run (port, signals, engine death) is `frontend.openai.http_server`'s; the
+completions and chat handlers are `frontend.openai.completions` and `frontend.openai.chat`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError
+from frontend.core_client import EngineCoreNotFoundError, EngineDeadError
+from frontend.data_parallel_client import sum_stats
+from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from frontend.openai.api_error import APIError, add_error_handlers
+from frontend.openai.body_limit import BodySizeLimit
+from frontend.openai.chat import create_chat_completion
+from frontend.openai.completions import create_completion
+from frontend.openai.protocol.chat import ChatCompletionRequest
+from frontend.openai.protocol.completions import CompletionRequest
+from frontend.openai.protocol.models import ModelCard, ModelList, VersionResponse
+from frontend.openai.protocol.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from frontend.openai.server_settings import ServerSettings
+from proto import SchedulerStats
+from proto.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+
+
+def build_app(
+    engine_config: EngineConfig, settings: ServerSettings, address: str | None = None
+) -> FastAPI:
+    """The app; its lifespan starts the engine (or connects to `address`) and shuts it down.
+
+    `app.state.engine` is the `AsyncEngineClient` once it is ready. Setting the event
+    `app.state.stop_requested` during start-up abandons it (the core is stopped, and
+    `app.state.engine` stays None) instead of waiting for the model to load. When no core
+    connects to `address`, `app.state.start_failure` says so and the engine stays None.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = AsyncEngineClient(engine_config, address, model_name=settings.served_model_name)
+        try:
+            started = await _start_unless_stopped(engine, app.state.stop_requested)
+        except EngineCoreNotFoundError as exc:  # its message says what to do: no traceback
+            await engine.shutdown()
+            app.state.start_failure = str(exc)
+            started = False
+        except BaseException:
+            await engine.shutdown()
+            raise
+        stats_task = None
+        if started:
+            app.state.engine = engine
+            logger.info(
+                "serving %s (max_model_len=%d)", settings.served_model_name, engine.max_model_len
+            )
+            if settings.log_stats_interval_s is not None:
+                stats_task = asyncio.create_task(_log_stats(engine, settings.log_stats_interval_s))
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+            await engine.shutdown()
+
+    app = FastAPI(title="core-engine OpenAI-compatible server", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_request_body_bytes)
+    app.state.settings = settings
+    app.state.engine = None
+    app.state.start_failure = None  # why an attached engine never started (see lifespan)
+    app.state.stop_requested = asyncio.Event()
+    add_error_handlers(app)
+    _add_info_routes(app, settings)
+    _add_token_routes(app, settings)
+    _add_generation_routes(app, settings)
+    return app
+
+
+async def _start_unless_stopped(engine: AsyncEngineClient, stop_requested: asyncio.Event) -> bool:
+    """Starts the engine; False (start-up cancelled, the core stopped) if `stop_requested` is
+    set first. Start-up failures raise."""
+    start = await _run_until(engine.start(), stop_requested.wait())
+    if start.cancelled():
+        return False
+    start.result()
+    return True
+
+
+async def _run_until(work: Awaitable[T], trigger: Awaitable[object]) -> asyncio.Future[T]:
+    """Runs `work` until it ends or `trigger` does; in the second case cancels `work` and waits
+    for its cancellation to run (a cancelled task is done only then). Returns `work`'s future,
+    done: with its result or exception, or cancelled."""
+    work_future = asyncio.ensure_future(work)
+    trigger_future = asyncio.ensure_future(trigger)
+    try:
+        await asyncio.wait({work_future, trigger_future}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        trigger_future.cancel()
+        if not work_future.done():
+            work_future.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work_future
+    return work_future
+
+
+async def _log_stats(engine: AsyncEngineClient, interval_s: float) -> None:
+    """Logs throughput, queues, KV usage and prefix hit rate every `interval_s`."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            stats = await engine.get_stats()
+        except EngineDeadError:  # the core client has logged why
+            return
+        logger.info(engine.metrics.log_line(stats, time.monotonic()))
+
+
+def _add_info_routes(app: FastAPI, settings: ServerSettings) -> None:
+    """/health, /metrics, /v1/models, /v1/models/{id} and /version."""
+    check_api_key = _api_key_checker(settings.api_key)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        await _engine(request).check_health()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text. Once the engine is dead its scheduler reads as empty, and the
+        frontend's counters (requests by how they ended: what failed, and how many) stay."""
+        engine = _engine(request)
+        try:
+            per_core = await engine.get_stats_per_core()
+        except EngineDeadError:
+            per_core = [SchedulerStats()]
+        stats = sum_stats(per_core)
+        text = engine.metrics.render_prometheus(stats, per_core)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models(request: Request) -> ModelList:
+        card = ModelCard(
+            id=settings.served_model_name, max_model_len=_engine(request).max_model_len
+        )
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
+    async def model(model_id: str, request: Request) -> ModelCard:
+        _check_model(model_id, settings)
+        return ModelCard(id=model_id, max_model_len=_engine(request).max_model_len)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=package_version())
+
+
+def _add_token_routes(app: FastAPI, settings: ServerSettings) -> None:
+    """vLLM's /tokenize and /detokenize."""
+    check_api_key = _api_key_checker(settings.api_key)
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        _check_model(body.model, settings)
+        engine = _engine(request)
+        try:
+            if body.messages is not None:
+                conversation = [m.for_template() for m in body.messages]
+                tokens = await asyncio.to_thread(
+                    engine.apply_chat_template, conversation, body.add_generation_prompt
+                )
+            else:
+                tokens = await asyncio.to_thread(
+                    engine.tokenize, body.prompt, body.add_special_tokens
+                )
+        except InvalidPromptError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens
+        )
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        _check_model(body.model, settings)
+        engine = _engine(request)
+        try:
+            token_ids = engine.tokenize(body.tokens)  # checks them against the vocabulary
+        except InvalidPromptError as exc:
+            raise APIError(400, str(exc), param="tokens") from exc
+        text = await asyncio.to_thread(engine.tokenizer.decode, token_ids)
+        return DetokenizeResponse(prompt=text)
+
+
+def _add_generation_routes(app: FastAPI, settings: ServerSettings) -> None:
+    """/v1/completions and /v1/chat/completions, each cancelled if its client leaves."""
+    check_api_key = _api_key_checker(settings.api_key)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)], response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response | BaseModel:
+        _check_model(body.model, settings)
+        engine = _engine(request)
+        return await _until_disconnected(
+            request, create_completion(engine, body, settings.served_model_name)
+        )
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)], response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request
+    ) -> Response | BaseModel:
+        _check_model(body.model, settings)
+        engine = _engine(request)
+        return await _until_disconnected(request, create_chat_completion(engine, body, settings))
+
+
+async def _until_disconnected(
+    request: Request, handler: Coroutine[Any, Any, Response | BaseModel]
+) -> Response | BaseModel:
+    """Runs `handler`, cancelling it (which aborts its engine requests) if the client leaves.
+
+    Streaming responses return at once; their disconnects cancel the event stream instead.
+    """
+    work = await _run_until(handler, _wait_for_disconnect(request))
+    if work.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return work.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _check_model(model: str | None, settings: ServerSettings) -> None:
+    if model is not None and model != settings.served_model_name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves "
+            f"`{settings.served_model_name}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _api_key_checker(api_key: str | None) -> Any:
+    expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def check_api_key(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            raise APIError(
+                401,
+                "Incorrect or missing API key (send `Authorization: Bearer <key>`)",
+                code="invalid_api_key",
+            )
+
+    return check_api_key
+
+
+def _engine(request: Request) -> AsyncEngineClient:
+    return request.app.state.engine
+
+
+def package_version() -> str:
+    """The installed core-engine distribution's version ("unknown" when run from a bare tree)."""
+    try:
+        return distribution_version("core-engine")
+    except PackageNotFoundError:
+        return "unknown"

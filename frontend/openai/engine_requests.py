@@ -1,0 +1,87 @@
+"""From a validated OpenAI body to engine requests: its `SamplingParams`, the check of its
+output constraint, submitting each request, and the usage of the finished ones. Every refusal
+is an `APIError` naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel
+
+from frontend.async_engine_client import (
+    AsyncEngineClient,
+    InvalidPromptError,
+    Prompt,
+    ServiceStoppedError,
+)
+from frontend.core_client import EngineDeadError
+from frontend.openai.api_error import APIError, unavailable_error
+from frontend.openai.protocol.base import UsageInfo
+from frontend.openai.protocol.chat import ChatCompletionRequest
+from frontend.openai.protocol.completions import CompletionRequest
+from frontend.request_output import RequestOutput
+from proto import SamplingParams
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    try:
+        return body.to_sampling_params()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=_param_named_in(str(exc), body)) from exc
+
+
+async def check_output_constraint(
+    engine: AsyncEngineClient, params: SamplingParams, field: str | None
+) -> None:
+    """400 naming the field (`response_format`, `structured_outputs`, `guided_*`, `tools`)
+    whose constraint this engine cannot apply; checked on a thread (the first check imports
+    xgrammar, which takes seconds)."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(engine.check_structured_outputs, params.structured_outputs)
+    except InvalidPromptError as exc:
+        raise APIError(400, f"{field}: {exc}", param=field) from exc
+
+
+def submit(
+    engine: AsyncEngineClient,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt: Prompt,
+    params: SamplingParams,
+    request_id: str,
+    prompt_param: str,
+    prompt_token_ids: list[int] | None = None,
+) -> AsyncIterator[RequestOutput]:
+    """Validates and registers one request of `body` (streamed or not, at its priority); maps
+    its refusals to 400 and a dead engine to 503."""
+    try:
+        return engine.generate(
+            prompt,
+            params,
+            request_id,
+            stream=body.stream,
+            priority=body.priority,
+            prompt_token_ids=prompt_token_ids,
+        )
+    except (EngineDeadError, ServiceStoppedError) as exc:
+        raise unavailable_error(exc) from exc
+    except InvalidPromptError as exc:
+        param = prompt_param if exc.param == "prompt" else exc.param
+        raise APIError(400, str(exc), param=param) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def usage(finals: list[RequestOutput]) -> UsageInfo:
+    return UsageInfo.of(
+        prompt_tokens=sum(final.num_prompt_tokens for final in finals),
+        completion_tokens=sum(final.num_generated_tokens for final in finals),
+    )
+
+
+def _param_named_in(message: str, body: BaseModel) -> str | None:
+    """The request field a `SamplingParams` error starts with ("min_tokens (5) must ...")."""
+    first_word = message.split(" ", 1)[0]
+    return first_word if first_word in type(body).model_fields else None

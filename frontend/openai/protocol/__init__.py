@@ -1,0 +1,1 @@
+"""The OpenAI-compatible request and response models (pydantic), one module per endpoint."""

@@ -1,0 +1,20 @@
+"""`ServerSettings`: how the OpenAI server presents the engine (name, key, limits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Larger bodies get a 413 before they are read: a whole-context prompt as JSON token ids fits
+# many times over.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(slots=True, frozen=True)
+class ServerSettings:
+    """How the server presents the engine. `log_stats_interval_s` None disables the stats log."""
+
+    served_model_name: str
+    api_key: str | None = None
+    log_stats_interval_s: float | None = 10.0
+    tool_call_parser: str | None = None  # reads tool calls back for tool_choice "auto"
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
