@@ -12,7 +12,7 @@ controls, `tojson`, `raise_exception`).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -213,6 +213,28 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     field = gguf_file.field
     tokenizer_model = field("tokenizer.ggml.model")
     tokens = field("tokenizer.ggml.tokens")
+    backend = _gguf_backend(field, tokenizer_model, tokens)
+    special_tokens = _gguf_special_tokens(field, tokens)
+    # llama.cpp adds bos by default for SentencePiece vocabularies, not for byte-level ones.
+    add_bos = field("tokenizer.ggml.add_bos_token", tokenizer_model == "llama")
+    add_eos = field("tokenizer.ggml.add_eos_token", False)
+    _set_special_token_post_processor(
+        backend,
+        bos=special_tokens["bos_token"] if add_bos else None,
+        eos=special_tokens["eos_token"] if add_eos else None,
+    )
+    return Tokenizer(
+        backend,
+        special_tokens=special_tokens,
+        eos_token_ids=gguf_eos_token_ids(gguf_file),
+        chat_template=field("tokenizer.chat_template")
+        or default_gguf_chat_template(field("general.architecture")),
+    )
+
+
+def _gguf_backend(field: Callable, tokenizer_model: str, tokens: list[str]) -> BackendTokenizer:
+    """The `tokenizers` model of a "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE) GGUF
+    vocabulary; ValueError for other models and unknown pre-tokenizers."""
     token_types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
     if tokenizer_model == "gpt2":
         pre = field("tokenizer.ggml.pre", "default")
@@ -221,56 +243,36 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
                 f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
                 f"{', '.join(GGUF_PRE_TOKENIZER_SPLITS)}"
             )
-        backend = build_byte_level_bpe(
-            tokens,
-            field("tokenizer.ggml.merges") or [],
-            token_types,
-            GGUF_PRE_TOKENIZER_SPLITS[pre],
-        )
-    elif tokenizer_model == "llama":
-        backend = build_sentencepiece_bpe(
+        merges = field("tokenizer.ggml.merges") or []
+        return build_byte_level_bpe(tokens, merges, token_types, GGUF_PRE_TOKENIZER_SPLITS[pre])
+    if tokenizer_model == "llama":
+        return build_sentencepiece_bpe(
             tokens,
             field("tokenizer.ggml.scores"),
             token_types,
             field("tokenizer.ggml.merges"),
             add_space_prefix=field("tokenizer.ggml.add_space_prefix", True),
         )
-    else:
-        raise ValueError(
-            f"GGUF tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', "
-            "byte-level BPE, and 'llama', SentencePiece BPE); use the model's Hugging Face "
-            "folder with its tokenizer.json"
-        )
-    # llama.cpp adds bos by default for SentencePiece vocabularies, not for byte-level ones.
-    add_bos_default = tokenizer_model == "llama"
+    raise ValueError(
+        f"GGUF tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', "
+        "byte-level BPE, and 'llama', SentencePiece BPE); use the model's Hugging Face "
+        "folder with its tokenizer.json"
+    )
+
+
+def _gguf_special_tokens(field: Callable, tokens: list[str]) -> dict[str, str | None]:
+    """bos, eos, unk and pad tokens named by the GGUF metadata's token ids (None if unset)."""
 
     def token_at(key: str) -> str | None:
         token_id = field(f"tokenizer.ggml.{key}")
         return None if token_id is None else tokens[token_id]
 
-    special_tokens = {
+    return {
         "bos_token": token_at("bos_token_id"),
         "eos_token": token_at("eos_token_id"),
         "unk_token": token_at("unknown_token_id"),
         "pad_token": token_at("padding_token_id"),
     }
-    _set_special_token_post_processor(
-        backend,
-        bos=(
-            special_tokens["bos_token"]
-            if field("tokenizer.ggml.add_bos_token", add_bos_default)
-            else None
-        ),
-        eos=special_tokens["eos_token"] if field("tokenizer.ggml.add_eos_token", False) else None,
-    )
-    eos_token_ids = gguf_eos_token_ids(gguf_file)
-    return Tokenizer(
-        backend,
-        special_tokens=special_tokens,
-        eos_token_ids=eos_token_ids,
-        chat_template=field("tokenizer.chat_template")
-        or default_gguf_chat_template(field("general.architecture")),
-    )
 
 
 def build_byte_level_bpe(
