@@ -21,6 +21,14 @@ class FCFSRequestQueue:
     def prepend_request(self, request: Request) -> None:
         self._queue.appendleft(request)
 
+    def add_request_in_arrival_order(self, request: Request) -> None:
+        """Behind every queued request that arrived before it: a request that waited outside
+        the queue (its grammar compiling) keeps the place its arrival gave it."""
+        position = len(self._queue)
+        while position > 0 and self._queue[position - 1].arrival_time > request.arrival_time:
+            position -= 1
+        self._queue.insert(position, request)
+
     def peek_request(self) -> Request:
         return self._queue[0]
 
@@ -55,6 +63,7 @@ class PriorityRequestQueue:
         heapq.heappush(self._heap, request)
 
     prepend_request = add_request
+    add_request_in_arrival_order = add_request  # the heap orders by priority, then arrival
 
     def peek_request(self) -> Request:
         return self._heap[0]

@@ -159,13 +159,14 @@ class Scheduler:
         return grammars
 
     def _admit_ready_grammars(self, request_ids: list[str]) -> None:
-        """Moves requests whose grammar rank 0 reports compiled to the waiting queue; ids that
-        finished meanwhile (or are unknown) are ignored."""
+        """Moves requests whose grammar rank 0 reports compiled to the waiting queue, at the
+        place their arrival gives them; ids that finished meanwhile (or are unknown) are
+        ignored."""
         for request_id in request_ids:
             request = self.waiting_for_fsm.pop(request_id, None)
             if request is not None:
                 request.status = RequestStatus.WAITING
-                self.waiting.add_request(request)
+                self.waiting.add_request_in_arrival_order(request)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.waiting_for_fsm) + len(self.running)

@@ -413,3 +413,24 @@ def test_the_scheduler_answers_what_the_engine_core_needs_of_its_kv_pool():
     run_step(full)
     events = log.take()
     assert events is not None and len(events.stored) == 2  # the two full blocks of 4 tokens
+
+
+def test_a_request_whose_grammar_is_ready_keeps_its_arrival_place_under_fcfs():
+    # One running slot: the order in which waiting requests start is the queue's order.
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("running", [1, 2], max_tokens=2, arrival_time=0.0))
+    scheduler.add_request(
+        make_request("fsm", [3, 4], max_tokens=1, arrival_time=1.0, structured_outputs=REGEX)
+    )
+    for name, arrival in (("b", 2.0), ("c", 3.0)):
+        scheduler.add_request(make_request(name, [5, 6], max_tokens=1, arrival_time=arrival))
+    output = scheduler.schedule()
+    model_output = fake_model_output(scheduler, output)
+    model_output.grammars_ready = ["fsm"]
+    scheduler.update_from_output(output, model_output)
+    assert [r.request_id for r in scheduler.waiting] == ["fsm", "b", "c"]
+    started = []
+    for _ in range(8):
+        output, _ = run_step(scheduler)
+        started += [r.req_id for r in output.scheduled_new_reqs]
+    assert started == ["fsm", "b", "c"]
