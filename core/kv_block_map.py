@@ -34,8 +34,10 @@ def block_states(pool: BlockPool) -> np.ndarray:
     held one IN_USE with one reference and SHARED with more; the null block is RESERVED."""
     ref_cnts = np.array([block.ref_cnt for block in pool.blocks], dtype=np.int64)
     has_hash = np.zeros(len(pool.blocks), dtype=np.bool_)
-    for _, blocks in pool.cached_block_hash_to_block.items():
-        has_hash[list(blocks)] = True
+    cached_ids = [
+        block_id for _, blocks in pool.cached_block_hash_to_block.items() for block_id in blocks
+    ]
+    has_hash[cached_ids] = True
     states = np.where(
         ref_cnts == 0,
         np.where(has_hash, KVBlockState.CACHED, KVBlockState.FREE),
