@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from core.kv_block_map import build_kv_block_map
 from core.kv_cache_spec import KVCacheConfig
 from core.request import Request, RequestStatus
 from core.scheduler import Scheduler
@@ -21,12 +22,14 @@ from proto import (
     EngineCoreRequest,
     EngineReady,
     FinishReason,
+    KVBlockMap,
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
     WorkerReady,
 )
 from proto.engine_config import EngineConfig
+from proto.engine_messages import MAX_KV_BLOCK_MAP_CELLS
 
 
 class ModelExecutor(Protocol):
@@ -103,6 +106,11 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
+
+    def get_kv_block_map(self) -> KVBlockMap:
+        """Every block's state, in at most `MAX_KV_BLOCK_MAP_CELLS` cells."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return build_kv_block_map(pool, MAX_KV_BLOCK_MAP_CELLS)
 
     def reset_prefix_cache(self) -> bool:
         """False (and nothing changes) while any request holds KV blocks."""

@@ -216,6 +216,8 @@ class EngineCoreProc:
     def _call_utility(self, call: UtilityRequest) -> UtilityResponse:
         if call.method is UtilityMethod.GET_STATS:
             return UtilityResponse(call.call_id, stats=self.engine_core.get_stats())
+        if call.method is UtilityMethod.GET_KV_BLOCK_MAP:
+            return UtilityResponse(call.call_id, kv_block_map=self.engine_core.get_kv_block_map())
         if call.method is UtilityMethod.RESET_PREFIX_CACHE and not (
             self.engine_core.reset_prefix_cache()
         ):

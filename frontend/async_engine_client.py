@@ -26,7 +26,7 @@ from frontend.request_output import RequestOutput
 from frontend.structured_outputs import check_structured_outputs
 from frontend.text.null_tokenizer import NullTokenizer
 from frontend.text.unicode_text import describe_text_not_utf8
-from proto import EngineCoreOutput, FinishReason, SamplingParams, SchedulerStats
+from proto import EngineCoreOutput, FinishReason, KVBlockMap, SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
 from proto.sampling_params import StructuredOutputs
 
@@ -310,6 +310,11 @@ class AsyncEngineClient:
         """Each engine core's stats, in data-parallel rank order (one entry for one core)."""
         self._raise_if_dead()
         return await self._core.get_stats_per_core()
+
+    async def get_kv_block_maps(self) -> list[KVBlockMap]:
+        """Each engine core's KV block map, in data-parallel rank order."""
+        self._raise_if_dead()
+        return await self._core.get_kv_block_maps()
 
     async def reset_prefix_cache(self) -> bool:
         """True if the prefix cache was reset; False while requests hold KV blocks."""

@@ -40,6 +40,7 @@ from proto import (
     EngineDead,
     EngineReady,
     FinishReason,
+    KVBlockMap,
     MessageDecodeError,
     MessageDecoder,
     MessageEncoder,
@@ -318,6 +319,11 @@ class AsyncCoreClient:
     async def get_stats_per_core(self) -> list[SchedulerStats]:
         """One core: its stats, as the one entry."""
         return [await self.get_stats()]
+
+    async def get_kv_block_maps(self) -> list[KVBlockMap]:
+        """One core: its KV block map, as the one entry."""
+        response = await self._call_utility(UtilityMethod.GET_KV_BLOCK_MAP)
+        return [response.kv_block_map]
 
     async def reset_prefix_cache(self) -> bool:
         """True if the prefix cache was reset; False while requests hold KV blocks."""

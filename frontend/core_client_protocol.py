@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from proto import EngineCoreOutput, EngineCoreRequest, EngineReady, SchedulerStats
+from proto import EngineCoreOutput, EngineCoreRequest, EngineReady, KVBlockMap, SchedulerStats
 
 
 class CoreClient(Protocol):
@@ -49,6 +49,10 @@ class CoreClient(Protocol):
 
     async def get_stats_per_core(self) -> list[SchedulerStats]:
         """Each core's stats, in data-parallel rank order (one entry for one core)."""
+        ...
+
+    async def get_kv_block_maps(self) -> list[KVBlockMap]:
+        """Each core's KV block map (`proto.KVBlockMap`), in data-parallel rank order."""
         ...
 
     async def reset_prefix_cache(self) -> bool:

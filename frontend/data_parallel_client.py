@@ -28,6 +28,7 @@ from proto import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
+    KVBlockMap,
     SchedulerStats,
 )
 from proto.engine_config import EngineConfig
@@ -178,6 +179,11 @@ class DataParallelCoreClient:
     async def get_stats_per_core(self) -> list[SchedulerStats]:
         self._raise_if_dead()
         return list(await asyncio.gather(*(core.get_stats() for core in self.cores)))
+
+    async def get_kv_block_maps(self) -> list[KVBlockMap]:
+        self._raise_if_dead()
+        per_core = await asyncio.gather(*(core.get_kv_block_maps() for core in self.cores))
+        return [block_map for maps in per_core for block_map in maps]
 
     async def reset_prefix_cache(self) -> bool:
         """True if every core reset its prefix cache (each refuses while it runs requests)."""

@@ -47,6 +47,7 @@ class UtilityMethod(enum.StrEnum):
     GET_STATS = "get_stats"  # answered with the scheduler's stats
     RESET_PREFIX_CACHE = "reset_prefix_cache"  # an error while requests hold KV blocks
     PING = "ping"  # an empty answer: the core is alive and reading
+    GET_KV_BLOCK_MAP = "get_kv_block_map"  # answered with the KV pool's `KVBlockMap`
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -117,6 +118,34 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
         return self.prefix_cache_hits / self.prefix_cache_queries
 
 
+class KVBlockState(enum.IntEnum):
+    """What one KV block (or one cell of a summarised map) holds, least to most busy."""
+
+    FREE = 0  # in the free queue, no valid prefix-cache content
+    CACHED = 1  # in the free queue, still holding a prefix-cache hit (evicted on reuse)
+    IN_USE = 2  # held by exactly one request
+    SHARED = 3  # held by several requests (a shared prefix)
+    RESERVED = 4  # the null block, never handed out
+
+
+MAX_KV_BLOCK_MAP_CELLS = 4096
+
+
+class KVBlockMap(msgspec.Struct, array_like=True, gc=False):
+    """The state of every block of a core's KV pool, for a picture of it.
+
+    `states` holds one `KVBlockState` byte per cell; cell i covers blocks
+    `[i * blocks_per_cell, (i + 1) * blocks_per_cell)` (the last one fewer) and shows the busiest
+    state among them, so a pool over `MAX_KV_BLOCK_MAP_CELLS` blocks is summarised without
+    hiding where requests sit. `num_blocks_by_state[s]` counts the blocks (not cells) in state s.
+    """
+
+    num_blocks: int
+    blocks_per_cell: int
+    states: bytes
+    num_blocks_by_state: list[int]
+
+
 class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """How a core's prefix cache changed since its last report (sent only with data
     parallelism): `cleared` (every hash forgotten) first, then `removed`, then `stored`. Hashes
@@ -151,6 +180,7 @@ class UtilityResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     call_id: int
     stats: SchedulerStats | None = None
     error: str | None = None
+    kv_block_map: KVBlockMap | None = None
 
 
 class EngineDead(msgspec.Struct, array_like=True, gc=False):

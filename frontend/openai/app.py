@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events ending in
 `data: [DONE]` with `stream: true`), GET /v1/models and /v1/models/{id}, vLLM's POST /tokenize
-and /detokenize, GET /version, /health and /metrics (Prometheus text). Every error uses OpenAI's
+and /detokenize, GET /version, /health and /metrics (Prometheus text), GET /engine/state (JSON
+for the web page at /, `frontend.openai.web_ui`). Every error uses OpenAI's
 body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid parameters (a body that
 is not JSON included, and text UTF-8 cannot encode anywhere in a body, named by its JSON path
 such as `stop[0]`), 401 for a bad API key, 404 for an unknown model or route, 405 for a wrong
@@ -50,6 +51,7 @@ from frontend.openai.protocol.tokenize import (
     TokenizeResponse,
 )
 from frontend.openai.server_settings import ServerSettings
+from frontend.openai.web_ui import add_web_ui_routes
 from proto import SchedulerStats
 from proto.engine_config import EngineConfig
 
@@ -107,6 +109,7 @@ def build_app(
     _add_info_routes(app, settings)
     _add_token_routes(app, settings)
     _add_generation_routes(app, settings)
+    add_web_ui_routes(app, settings, _api_key_checker(settings.api_key))
     return app
 
 

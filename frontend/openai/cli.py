@@ -75,6 +75,11 @@ def make_parser() -> argparse.ArgumentParser:
         "default, so that a supervisor restarts the server)",
     )
     parser.add_argument(
+        "--disable-web-ui",
+        action="store_true",
+        help="do not serve the chat and engine page at / (GET /engine/state stays)",
+    )
+    parser.add_argument(
         "--disable-log-stats",
         action="store_true",
         help=f"do not log throughput and cache stats every {LOG_STATS_INTERVAL_S:.0f} s",
@@ -111,6 +116,7 @@ def parse_args(
         log_stats_interval_s=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
         tool_call_parser=args.tool_call_parser,
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_web_ui=not args.disable_web_ui,
     )
     return engine_config, settings, args
 

@@ -18,3 +18,4 @@ class ServerSettings:
     log_stats_interval_s: float | None = 10.0
     tool_call_parser: str | None = None  # reads tool calls back for tool_choice "auto"
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    enable_web_ui: bool = True  # the page at /; GET /engine/state is served either way
