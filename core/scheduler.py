@@ -64,8 +64,9 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
-        if kv_cache_config is not None:
-            _check_pool_holds_one_request(config, kv_cache_config)
+        if kv_cache_config is None:
+            kv_cache_config = KVCacheConfig.full_attention(config.block_size, config.max_model_len)
+        _check_pool_holds_one_request(config, kv_cache_config)
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=config.num_gpu_blocks,
             block_size=config.block_size,
@@ -481,12 +482,14 @@ def _check_pool_holds_one_request(config: SchedulerConfig, kv_cache_config: KVCa
     ever preempt itself. A sliding-window group holds at most its window plus one step's
     tokens (the blocks before are freed as the request advances)."""
     num_blocks_needed = blocks_per_full_length_request(config, kv_cache_config.kv_cache_groups)
+    num_groups = kv_cache_config.num_groups
+    in_groups = f" in its {num_groups} KV cache groups" if num_groups > 1 else ""
     if config.num_gpu_blocks - 1 < num_blocks_needed:
         raise ValueError(
             f"num_gpu_blocks={config.num_gpu_blocks} cannot hold one request of max_model_len="
-            f"{config.max_model_len} tokens in its {kv_cache_config.num_groups} KV cache groups "
-            f"({num_blocks_needed} blocks of {config.block_size} plus the null block); "
-            "lower max_model_len or give the KV cache more memory"
+            f"{config.max_model_len} tokens{in_groups} ({num_blocks_needed} blocks of "
+            f"{config.block_size} plus the null block); lower max_model_len or give the KV cache "
+            "more memory"
         )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.math_utils import cdiv
 from proto.engine_config import POLICIES
 
 
@@ -41,14 +40,6 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not self.enable_chunked_prefill:
             self._check_unchunked_prefill()
-        num_blocks_per_max_len_request = cdiv(self.max_model_len, self.block_size)
-        if self.num_gpu_blocks - 1 < num_blocks_per_max_len_request:
-            raise ValueError(
-                f"num_gpu_blocks={self.num_gpu_blocks} cannot hold one request of max_model_len="
-                f"{self.max_model_len} tokens ({num_blocks_per_max_len_request} blocks of "
-                f"{self.block_size} plus the null block); lower max_model_len or give the KV "
-                "cache more memory"
-            )
 
     def _check_unchunked_prefill(self) -> None:
         if self.long_prefill_token_threshold:

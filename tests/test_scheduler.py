@@ -6,7 +6,7 @@ import pytest
 
 from core.kv_cache_spec import KVCacheConfig
 from core.request import RequestStatus
-from core.scheduler import SchedulerConfig
+from core.scheduler import Scheduler, SchedulerConfig
 from proto import FinishReason, ModelRunnerOutput
 from proto.sampling_params import StructuredOutputs
 from tests.core_factories import (
@@ -306,8 +306,13 @@ def test_config_validates_itself():
         SchedulerConfig(policy="lifo")
     with pytest.raises(ValueError, match="max_num_seqs must be at least 1, got 0"):
         SchedulerConfig(max_num_seqs=0)
-    with pytest.raises(ValueError, match="cannot hold one request of max_model_len=4096"):
-        SchedulerConfig(max_model_len=4096, block_size=16, num_gpu_blocks=100)
+    too_small = SchedulerConfig(max_model_len=4096, block_size=16, num_gpu_blocks=100)
+    with pytest.raises(
+        ValueError,
+        match=r"num_gpu_blocks=100 cannot hold one request of max_model_len=4096 tokens \(256 "
+        r"blocks of 16 plus the null block\)",
+    ):
+        Scheduler(too_small)  # checked once, by the scheduler, for every KV cache group layout
 
 
 def test_stats_report_running_waiting_usage_and_preemptions():
