@@ -395,5 +395,4 @@ def test_a_struct_out_of_step_with_the_c_header_is_caught():
 
 
 def _layout(fields: list) -> tuple[int, list[int]]:
-    struct = type("Args", (ctypes.Structure,), {"_fields_": fields})
-    return ctypes.sizeof(struct), [getattr(struct, name).offset for name, _ in fields]
+    return attention_args.layout_of(type("Args", (ctypes.Structure,), {"_fields_": fields}))

@@ -77,10 +77,15 @@ def attention_args(
     )
 
 
+def layout_of(struct: type[ctypes.Structure]) -> tuple[int, list[int]]:
+    """(sizeof, field offsets in declaration order) of a ctypes struct."""
+    offsets = [getattr(struct, name).offset for name, _ in struct._fields_]
+    return ctypes.sizeof(struct), offsets
+
+
 def python_layout() -> tuple[int, list[int]]:
-    """(sizeof, field offsets in declaration order) of the ctypes struct."""
-    offsets = [getattr(AttentionArgs, name).offset for name, _ in FIELDS]
-    return ctypes.sizeof(AttentionArgs), offsets
+    """The layout of `AttentionArgs`, the ctypes side."""
+    return layout_of(AttentionArgs)
 
 
 def compiled_layout(library: ctypes.CDLL) -> tuple[int, list[int]]:
