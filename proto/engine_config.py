@@ -147,6 +147,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "lower max_model_len, or enable chunked prefill",
         )
 
+    def step_token_budget(self, worker_default: int, max_model_len: int | None = None) -> int:
+        """A worker's step budget: `max_num_batched_tokens` when given, else `worker_default`,
+        raised to `max_model_len` (once the worker knows it) with chunked prefill off, where a
+        prompt is prefilled in one step (vLLM does the same)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill or max_model_len is None:
+            return worker_default
+        return max(worker_default, max_model_len)
+
     @property
     def is_null_model(self) -> bool:
         return self.model == NULL_MODEL

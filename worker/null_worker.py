@@ -40,9 +40,9 @@ class NullWorker:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or NULL_MAX_MODEL_LEN
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens or NULL_MAX_NUM_BATCHED_TOKENS
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+        self.max_num_batched_tokens = config.step_token_budget(
+            NULL_MAX_NUM_BATCHED_TOKENS, self.max_model_len
+        )
         self.vocab_size = NULL_VOCAB_SIZE
         self.layer_sliding_windows: list[int | None] = []
         self.eos_token_ids: list[int] = []

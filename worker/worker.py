@@ -67,9 +67,7 @@ class Worker:
         self.world_size = world_size
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = (
-            config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device.type]
-        )
+        self.max_num_batched_tokens = config.step_token_budget(self._default_step_budget)
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.model = None
         self.model_path: Path | None = None
@@ -96,9 +94,9 @@ class Worker:
             cpu_kernel_loader.set_enabled(not self.config.enforce_eager)
             pack_linears(self.model)
         self._max_model_len = self._resolve_max_model_len()
-        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens is None:
-            # A prompt is prefilled in one step: the step must hold the longest one (vLLM too).
-            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self._max_model_len)
+        self.max_num_batched_tokens = self.config.step_token_budget(
+            self._default_step_budget, self._max_model_len
+        )
         self.model_runner = self._new_model_runner()
         if self.device.type == "cuda":
             self._warm_up_attention_kernels()
@@ -123,6 +121,10 @@ class Worker:
             f"{kv_bytes / 2**30:.2f} GiB = {ready.num_gpu_blocks} blocks of {ready.block_size} = "
             f"{blocks}"
         )
+
+    @property
+    def _default_step_budget(self) -> int:
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device.type]
 
     @property
     def max_model_len(self) -> int:
