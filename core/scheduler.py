@@ -409,7 +409,9 @@ class Scheduler:
                     request_id=request_id,
                     new_token_ids=new_token_ids,
                     finish_reason=request.get_finished_reason(),
-                    new_logprobs=[token_logprobs] if token_logprobs is not None else None,
+                    new_logprobs=(
+                        token_logprobs[: len(new_token_ids)] if token_logprobs is not None else None
+                    ),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
                     prompt_logprobs=request.prompt_logprobs,

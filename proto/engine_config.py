@@ -17,6 +17,7 @@ import msgspec
 
 from common.dtypes import DTYPE_NAMES
 from proto.endpoints import is_wildcard_host, parse_tcp_address
+from proto.speculative_config import SpeculativeConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
@@ -70,6 +71,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_frame_bytes: int = 64 * 1024 * 1024
     enforce_eager: bool = False
     disable_hybrid_kv_cache: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -113,6 +115,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             f"got {self.data_parallel_rank}",
         )
         self._check_worker_placement()
+        msgspec.structs.force_setattr(  # a dict or JSON from Python callers, validated here
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         _check(
             self.long_prefill_token_threshold >= 0,
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
@@ -254,8 +259,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         values: dict[str, Any] = msgspec.structs.asdict(base) if base is not None else {}
         for field in msgspec.structs.fields(cls):
             value = getattr(args, field.name, None)
-            if value is not None:
-                values[field.name] = None if value in ("none", "None") else value
+            if value is None:
+                continue
+            if value in ("none", "None"):
+                values[field.name] = None
+            elif field.name in JSON_FIELDS:
+                values[field.name] = msgspec.structs.asdict(JSON_FIELDS[field.name](value))
+            else:
+                values[field.name] = value
         try:
             return msgspec.convert(values, cls, strict=False)
         except msgspec.ValidationError as exc:
@@ -264,6 +275,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 # Fields the engine fills in for its own processes, never a user's flag.
 INTERNAL_FIELDS = frozenset({"data_parallel_rank"})
+
+# Fields whose flag takes a JSON object, each with the parser that validates it.
+JSON_FIELDS = {"speculative_config": SpeculativeConfig.parse}
 
 FIELD_HELP = {
     "model": "HF folder or .gguf file (None: the default SmolLM2-135M-Instruct; 'null': no model)",
@@ -311,6 +325,10 @@ FIELD_HELP = {
     "max_frame_bytes": "largest accepted request frame",
     "disable_hybrid_kv_cache": (
         "one KV cache group of every layer: sliding-window layers keep their whole context's KV"
+    ),
+    "speculative_config": (
+        'JSON, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N} '
+        'or {"method": "suffix"} (None: no speculative decoding)'
     ),
     "enforce_eager": (
         "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"

@@ -17,7 +17,7 @@ from proto.engine_config import EngineConfig
 from proto.engine_messages import TokenLogprobs
 from proto.sampling_params import SamplingParams, StructuredOutputs
 
-WORKER_PROTOCOL_VERSION = 2
+WORKER_PROTOCOL_VERSION = 3
 """Raised whenever a message of this link changes shape (EngineConfig included): a worker on
 another host runs its own copy of the engine, and the core admits only its own version."""
 
@@ -63,6 +63,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     Such a request is scheduled only after rank 0 reports its grammar in
     `ModelRunnerOutput.grammars_ready` (a step with no tokens but grammars still compiling is
     answered when one finishes, or after a short wait, so an idle core does not spin).
+
+    `scheduled_spec_decode_tokens[req_id]`: draft tokens to verify (speculative decoding). Such a
+    request is scheduled for `1 + len(drafts)` tokens: its last sampled token followed by the
+    drafts, so the forward computes K+1 positions and the worker samples at every one of them
+    (see `ModelRunnerOutput`). A request with no drafts this step is absent.
     """
 
     scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
@@ -72,6 +77,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     grammars_to_prepare: dict[str, StructuredOutputs] = msgspec.field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -82,7 +88,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Sampled tokens, one list per request that finished its prompt this step.
 
     `req_ids[i]` got `sampled_token_ids[i]`; a request still in the middle of a chunked prefill
-    gets an empty list (its sample is discarded). `logprobs[i]` is set iff the request asked.
+    gets an empty list (its sample is discarded). A request verifying K drafts gets 1..K+1
+    tokens: the accepted drafts, in order, then one token sampled where the first rejected
+    draft stood (or the bonus token after K accepted ones). `logprobs[i]` is set iff the
+    request asked: one entry per token of `sampled_token_ids[i]`.
     `request_errors` names requests the worker cannot serve (e.g. a grammar that does not
     compile) with the reason; the scheduler finishes them with an error, the engine goes on.
     `grammars_ready` names requests of `SchedulerOutput.grammars_to_prepare` whose grammar has
@@ -93,7 +102,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     req_ids: list[str] = msgspec.field(default_factory=list)
     sampled_token_ids: list[list[int]] = msgspec.field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] | None = None
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     request_errors: dict[str, str] = msgspec.field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
     grammars_ready: list[str] = msgspec.field(default_factory=list)

@@ -191,8 +191,8 @@ def test_null_worker_samples_only_when_the_prompt_is_done_and_drops_finished_req
         SchedulerOutput([], [CachedRequestData("a", 4)], {"a": 2}, total_num_scheduled_tokens=2)
     )
     assert second.sampled_token_ids == [[NULL_TOKEN_ID]]
-    assert second.logprobs[0].top_token_ids == [NULL_TOKEN_ID, NULL_TOKEN_ID + 1]
-    assert second.logprobs[0].top_logprobs[0] == 0.0
+    assert second.logprobs[0][0].top_token_ids == [NULL_TOKEN_ID, NULL_TOKEN_ID + 1]
+    assert second.logprobs[0][0].top_logprobs[0] == 0.0
     decode = CachedRequestData("a", 6, new_token_ids=[NULL_TOKEN_ID])
     third = worker.execute_model(SchedulerOutput([], [decode], {"a": 1}, 1))
     assert third.sampled_token_ids == [[NULL_TOKEN_ID]]

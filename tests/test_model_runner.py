@@ -135,7 +135,7 @@ def test_mid_prefill_requests_get_empty_samples_and_logprobs_only_when_asked(mod
     assert out.req_ids == ["a", "b"]
     assert out.sampled_token_ids[0] == []
     assert len(out.sampled_token_ids[1]) == 1
-    assert out.logprobs[0] is None and len(out.logprobs[1].top_token_ids) == 2
+    assert out.logprobs[0] is None and len(out.logprobs[1][0].top_token_ids) == 2
 
     sampled_b = out.sampled_token_ids[1]
     out = runner.execute_model(

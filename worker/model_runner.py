@@ -319,8 +319,8 @@ class ModelRunner:
             zip(inputs.sample_rows.tolist(), output.sampled_token_ids.tolist(), strict=True)
         ):
             sampled_token_ids[row] = [token_id]
-            if logprobs is not None:
-                logprobs[row] = output.logprobs[i]
+            if logprobs is not None and output.logprobs[i] is not None:
+                logprobs[row] = [output.logprobs[i]]
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled_token_ids,

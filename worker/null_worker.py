@@ -91,7 +91,7 @@ class NullWorker:
                     "prompt_logprobs: the null model computes no logits"
                 )
         any_logprobs = False
-        logprobs: list[TokenLogprobs | None] = []
+        logprobs: list[list[TokenLogprobs] | None] = []
         for req_id, num_computed in req_id_to_num_computed.items():
             state = self.req_id_to_state[req_id]
             done_prompt = (
@@ -101,7 +101,7 @@ class NullWorker:
             output.sampled_token_ids.append([NULL_TOKEN_ID] if done_prompt else [])
             wants_logprobs = done_prompt and state.num_logprobs is not None
             any_logprobs |= wants_logprobs
-            logprobs.append(_null_logprobs(state.num_logprobs) if wants_logprobs else None)
+            logprobs.append([_null_logprobs(state.num_logprobs)] if wants_logprobs else None)
         if any_logprobs:
             output.logprobs = logprobs
         return output

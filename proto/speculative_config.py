@@ -1,0 +1,143 @@
+"""`SpeculativeConfig`: how the engine drafts tokens for one forward pass to verify.
+
+The fields and their meaning are vLLM's `speculative_config` for its draft-model-free methods:
+- "ngram" (prompt lookup): the longest suffix of the request's tokens, between
+  `prompt_lookup_min` and `prompt_lookup_max` tokens long, that occurred earlier in the request
+  proposes the `num_speculative_tokens` tokens that followed it.
+- "suffix" (suffix decoding): a suffix tree per request plus a global one over earlier
+  requests' outputs propose a continuation whose length follows the match:
+  at most `suffix_decoding_max_spec_factor` x the matched length, at most
+  `num_speculative_tokens`, and only while the continuation's estimated probability stays at
+  or above `suffix_decoding_min_token_prob`.
+
+Drafting stops for a step whose running batch holds `disable_by_batch_size` requests or more:
+verifying drafts costs a forward over K+1 positions per request, which pays off only while a
+step is bound by reading the weights rather than by arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+SPECULATIVE_METHODS = ("ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Validated on construction (and so on decode); every error names the field and its limit."""
+
+    method: str
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+        )
+        k = self.num_speculative_tokens
+        _check(
+            k is None or 1 <= k <= MAX_SPECULATIVE_TOKENS,
+            f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+            f"got {k}",
+        )
+        _check(
+            self.method == "suffix" or k is not None,
+            "speculative_config.num_speculative_tokens is required for method 'ngram'",
+        )
+        self._check_ngram_window()
+        _check(
+            self.disable_by_batch_size is None or self.disable_by_batch_size >= 2,
+            "speculative_config.disable_by_batch_size must be at least 2 (None: never), "
+            f"got {self.disable_by_batch_size}",
+        )
+        self._check_suffix_limits()
+
+    def _check_ngram_window(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            _check(
+                value is None or value >= 1,
+                f"speculative_config.{name} must be at least 1, got {value}",
+            )
+        _check(
+            low is None or high is None or low <= high,
+            f"speculative_config.prompt_lookup_min={low} is above prompt_lookup_max={high}",
+        )
+
+    def _check_suffix_limits(self) -> None:
+        _check(
+            self.suffix_decoding_max_tree_depth >= 1,
+            "speculative_config.suffix_decoding_max_tree_depth must be at least 1, "
+            f"got {self.suffix_decoding_max_tree_depth}",
+        )
+        _check(
+            self.suffix_decoding_max_cached_requests >= 0,
+            "speculative_config.suffix_decoding_max_cached_requests must be >= 0, "
+            f"got {self.suffix_decoding_max_cached_requests}",
+        )
+        _check(
+            self.suffix_decoding_max_spec_factor > 0,
+            "speculative_config.suffix_decoding_max_spec_factor must be positive, "
+            f"got {self.suffix_decoding_max_spec_factor}",
+        )
+        _check(
+            0.0 <= self.suffix_decoding_min_token_prob <= 1.0,
+            "speculative_config.suffix_decoding_min_token_prob must be in [0, 1], "
+            f"got {self.suffix_decoding_min_token_prob}",
+        )
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """The most draft tokens one request gets per step (the slots the scheduler reserves)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return min(self.suffix_decoding_max_tree_depth, MAX_SPECULATIVE_TOKENS)
+
+    @property
+    def ngram_window(self) -> tuple[int, int]:
+        """(min, max) n-gram lengths matched; vLLM's defaults fill what is unset."""
+        high = self.prompt_lookup_max
+        low = self.prompt_lookup_min
+        if high is None:
+            high = max(low or 0, 5)
+        if low is None:
+            low = min(high, 2)
+        return low, high
+
+    @classmethod
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
+        """From a config, a dict, or JSON text (the CLI flag); None stays None.
+
+        Raises ValueError naming the field that is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config must be a JSON object, got {type(value).__name__}"
+            )
+        try:
+            return msgspec.convert(value, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid speculative_config: {exc}") from exc
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
