@@ -192,28 +192,15 @@ struct DecodeTile {
 template <typename T, int HEAD_DIM, int HEADS>
 // minBlocksPerSM 1: without it ptxas may pick a tighter register budget and spill.
 __global__ void __launch_bounds__(kDecodeThreads, 1) decode_attention(
-    const T* __restrict__ query,            // [num_tokens, num_heads, HEAD_DIM], token stride
-    long long query_token_stride,           // elements
-    const T* __restrict__ key_cache,        // [num_blocks * block_size, num_kv_heads, HEAD_DIM]
-    const T* __restrict__ value_cache,      // same layout as key_cache
-    const int* __restrict__ block_table,    // [num_reqs, block_table_stride]
-    int block_table_stride,
-    const int* __restrict__ seq_lens,       // [num_reqs]
-    const int* __restrict__ query_start_loc,  // [num_reqs + 1]
-    T* __restrict__ out,                    // [num_tokens, num_heads, HEAD_DIM], token stride
-    long long out_token_stride,             // elements
+    const PagedAttentionArgs args,
     float* __restrict__ partial_out,        // [num_splits, num_reqs, num_heads, HEAD_DIM]
     float* __restrict__ partial_lse,        // [num_splits, num_reqs, num_heads]
-    float scale_log2,                       // softmax scale * log2(e)
-    int sliding_window,                     // keys per query's window; 0 = no window
-    int num_kv_heads,
-    int group_size,
     int num_head_chunks,
-    int block_size,
     unsigned int block_magic,               // fast-divide by block_size (see the top)
     int block_shift,
     int keys_per_split,
     int num_reqs) {
+  UNPACK_PAGED_ATTENTION_ARGS(T, args);
   using L = DecodeLayout<T, HEAD_DIM, HEADS>;
   constexpr int E = L::kElemsPerLane;
   constexpr int KPT = L::kKeysPerThread;
@@ -451,28 +438,15 @@ __device__ __forceinline__ unsigned int uint4_word(const uint4& v, int i) {
 template <typename T, int HEAD_DIM, int HEADS>
 __global__ void __launch_bounds__(kDecodeThreads, DecodeTcLayout<HEAD_DIM>::kMinBlocks)
     decode_attention_tc(
-    const T* __restrict__ query,
-    long long query_token_stride,
-    const T* __restrict__ key_cache,
-    const T* __restrict__ value_cache,
-    const int* __restrict__ block_table,
-    int block_table_stride,
-    const int* __restrict__ seq_lens,
-    const int* __restrict__ query_start_loc,
-    T* __restrict__ out,
-    long long out_token_stride,
+    const PagedAttentionArgs args,
     float* __restrict__ partial_out,
     float* __restrict__ partial_lse,
-    float scale_log2,
-    int sliding_window,
-    int num_kv_heads,
-    int group_size,
     int num_head_chunks,
-    int block_size,
     unsigned int block_magic,
     int block_shift,
     int keys_per_split,
     int num_reqs) {
+  UNPACK_PAGED_ATTENTION_ARGS(T, args);
   static_assert(HEADS <= 8, "the heads are the 8 MMA columns");
   using L = DecodeTcLayout<HEAD_DIM>;
   constexpr int QC = L::kQkChunks;

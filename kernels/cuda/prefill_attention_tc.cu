@@ -84,23 +84,10 @@ struct TcLayout {
 
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
-    const T* __restrict__ query,            // [num_tokens, num_heads, HEAD_DIM], token stride
-    long long query_token_stride,           // elements
-    const T* __restrict__ key_cache,        // [num_blocks * block_size, num_kv_heads, HEAD_DIM]
-    const T* __restrict__ value_cache,      // same layout as key_cache
-    const int* __restrict__ block_table,    // [num_reqs, block_table_stride]
-    int block_table_stride,
-    const int* __restrict__ seq_lens,       // [num_reqs]
-    const int* __restrict__ query_start_loc,  // [num_reqs + 1]
-    T* __restrict__ out,                    // [num_tokens, num_heads, HEAD_DIM], token stride
-    long long out_token_stride,             // elements
-    float scale_log2,                       // softmax scale * log2(e)
-    int sliding_window,                     // keys per query's window; 0 = no window
-    int num_kv_heads,
-    int group_size,
+    const PagedAttentionArgs args,
     int tokens_per_tile,
-    int block_size,
     int skip_single_token_queries) {
+  UNPACK_PAGED_ATTENTION_ARGS(T, args);
   using L = TcLayout<HEAD_DIM>;
 
   PrefillTile tile;
