@@ -29,7 +29,6 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.cuda import launch_config as lc
 from kernels.cuda import occupancy
 from kernels.cuda.module_loader import default_loader
-from kernels.cuda.paged_attention_args import paged_attention_args
 
 LOG2E = 1.4426950408889634
 
@@ -157,18 +156,29 @@ class _Batch:
     def device(self) -> torch.device:
         return self.kv_cache.device
 
-    def paged_args(self) -> np.void:
-        """The `PagedAttentionArgs` every paged-attention kernel takes first."""
-        return paged_attention_args(
-            self.q,
-            self.kv_cache,
-            self.block_table,
-            self.seq_lens,
-            self.query_start_loc,
-            self.out,
+    def tensor_args(self) -> tuple:
+        """`PAGED_ATTENTION_TENSORS` (kernels/cuda/common.cuh): every paged-attention kernel's
+        first arguments, in order."""
+        return (
+            _ptr(self.q),
+            np.int64(self.q.stride(0)),
+            _ptr(self.kv_cache[0]),
+            _ptr(self.kv_cache[1]),
+            _ptr(self.block_table),
+            np.int32(self.block_table.stride(0)),
+            _ptr(self.seq_lens),
+            _ptr(self.query_start_loc),
+            _ptr(self.out),
+            np.int64(self.out.stride(0)),
+        )
+
+    def shape_args(self) -> tuple:
+        """`PAGED_ATTENTION_SHAPE` (kernels/cuda/common.cuh), in order."""
+        return (
             self.scale_log2,
-            self.sliding_window,
-            self.num_heads,
+            np.int32(self.sliding_window),
+            np.int32(self.num_kv_heads),
+            np.int32(self.num_heads // self.num_kv_heads),
         )
 
 
@@ -226,10 +236,12 @@ def _run_decode(batch: _Batch, max_seq_len: int) -> None:
         )
         partial_lse = torch.empty(shape, dtype=torch.float32, device=batch.device)
     args = (
-        batch.paged_args(),
+        *batch.tensor_args(),
         _ptr(partial_out),
         _ptr(partial_lse),
+        *batch.shape_args(),
         np.int32(launch.num_head_chunks),
+        np.int32(block_size),
         np.uint32(block_magic),
         np.int32(block_shift),
         np.int32(launch.keys_per_split),
@@ -272,8 +284,10 @@ def _run_prefill(batch: _Batch, max_query_len: int) -> None:
         launch.source_name, launch.kernel_name, batch.device.index, launch.shared_mem_bytes
     )
     args = (
-        batch.paged_args(),
+        *batch.tensor_args(),
+        *batch.shape_args(),
         np.int32(launch.tokens_per_tile),
+        np.int32(batch.kv_cache.shape[2]),
         np.int32(1),  # skip_single_token_queries: the decode kernel serves them
     )
     _launch(kernel, launch.grid, launch.block, args, launch.shared_mem_bytes, batch.device)

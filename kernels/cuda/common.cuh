@@ -255,46 +255,29 @@ __device__ __forceinline__ bool key_visible(int pos, int key, unsigned int span)
   return static_cast<unsigned int>(pos - key) < span;
 }
 
-// What every paged-attention kernel (decode_attention[_tc], prefill_attention[_tc]) reads, as
-// one struct passed by value (it lives in the kernel's parameter space, like scalar parameters).
-// The launcher builds the same layout as a NumPy structured scalar (`PAGED_ATTENTION_ARGS` in
-// kernels/cuda/paged_attention_args.py); tests compare the two. The element pointers are untyped
-// here: UNPACK_PAGED_ATTENTION_ARGS gives a kernel typed, __restrict__ locals of the same names.
-struct PagedAttentionArgs {
-  const void* query;             // [num_tokens, num_heads, HEAD_DIM], token stride
-  long long query_token_stride;  // elements
-  const void* key_cache;         // [num_blocks * block_size, num_kv_heads, HEAD_DIM]
-  const void* value_cache;       // same layout as key_cache
-  const int* block_table;        // [num_reqs, block_table_stride]
-  int block_table_stride;
-  const int* seq_lens;           // [num_reqs]
-  const int* query_start_loc;    // [num_reqs + 1]
-  void* out;                     // [num_tokens, num_heads, HEAD_DIM], token stride
-  long long out_token_stride;    // elements
-  float scale_log2;              // softmax scale * log2(e)
-  int sliding_window;            // keys per query's window; 0 = no window
-  int num_kv_heads;
-  int group_size;                // query heads per kv head
-  int block_size;                // tokens per KV block
-};
+// The arguments every paged-attention kernel (decode_attention[_tc], prefill_attention[_tc])
+// takes, written once. Each kernel's parameter list is
+//   PAGED_ATTENTION_TENSORS(T), [its own], PAGED_ATTENTION_SHAPE, [its own]
+// and the launcher builds the same two runs once (`_Batch.tensor_args`, `_Batch.shape_args` in
+// kernels/cuda/backend.py). They stay plain kernel parameters: a struct passed by value measured
+// 10-16% slower tensor-core prefill on an H200 (benchmarks/results/gpu/h200_struct_ab_0cca9e3).
+#define PAGED_ATTENTION_TENSORS(T)                                                \
+  const T* __restrict__ query,            /* [num_tokens, num_heads, HEAD_DIM] */ \
+      long long query_token_stride,       /* elements */                          \
+      const T* __restrict__ key_cache,    /* [blocks * block_size, kv_heads, D] */ \
+      const T* __restrict__ value_cache,  /* same layout as key_cache */          \
+      const int* __restrict__ block_table, /* [num_reqs, block_table_stride] */   \
+      int block_table_stride,                                                     \
+      const int* __restrict__ seq_lens,        /* [num_reqs] */                   \
+      const int* __restrict__ query_start_loc, /* [num_reqs + 1] */               \
+      T* __restrict__ out,                /* [num_tokens, num_heads, HEAD_DIM] */ \
+      long long out_token_stride          /* elements */
 
-// The fields of `args` as locals of a kernel whose element type is T.
-#define UNPACK_PAGED_ATTENTION_ARGS(T, args)                                   \
-  const T* __restrict__ query = static_cast<const T*>((args).query);           \
-  const long long query_token_stride = (args).query_token_stride;              \
-  const T* __restrict__ key_cache = static_cast<const T*>((args).key_cache);   \
-  const T* __restrict__ value_cache = static_cast<const T*>((args).value_cache); \
-  const int* __restrict__ block_table = (args).block_table;                    \
-  const int block_table_stride = (args).block_table_stride;                    \
-  const int* __restrict__ seq_lens = (args).seq_lens;                          \
-  const int* __restrict__ query_start_loc = (args).query_start_loc;            \
-  T* __restrict__ out = static_cast<T*>((args).out);                           \
-  const long long out_token_stride = (args).out_token_stride;                  \
-  const float scale_log2 = (args).scale_log2;                                  \
-  const int sliding_window = (args).sliding_window;                            \
-  const int num_kv_heads = (args).num_kv_heads;                                \
-  const int group_size = (args).group_size;                                    \
-  const int block_size = (args).block_size
+#define PAGED_ATTENTION_SHAPE                                                     \
+  float scale_log2,        /* softmax scale * log2(e) */                          \
+      int sliding_window,  /* keys per query's window; 0 = no window */           \
+      int num_kv_heads,                                                           \
+      int group_size       /* query heads per kv head */
 
 // The query tile a prefill CTA owns (grid x = query tile, y = request, z = kv_head); shared by
 // prefill_attention.cu and prefill_attention_tc.cu. Rows are token_in_tile * group + head.

@@ -192,15 +192,16 @@ struct DecodeTile {
 template <typename T, int HEAD_DIM, int HEADS>
 // minBlocksPerSM 1: without it ptxas may pick a tighter register budget and spill.
 __global__ void __launch_bounds__(kDecodeThreads, 1) decode_attention(
-    const PagedAttentionArgs args,
+    PAGED_ATTENTION_TENSORS(T),
     float* __restrict__ partial_out,        // [num_splits, num_reqs, num_heads, HEAD_DIM]
     float* __restrict__ partial_lse,        // [num_splits, num_reqs, num_heads]
+    PAGED_ATTENTION_SHAPE,
     int num_head_chunks,
+    int block_size,
     unsigned int block_magic,               // fast-divide by block_size (see the top)
     int block_shift,
     int keys_per_split,
     int num_reqs) {
-  UNPACK_PAGED_ATTENTION_ARGS(T, args);
   using L = DecodeLayout<T, HEAD_DIM, HEADS>;
   constexpr int E = L::kElemsPerLane;
   constexpr int KPT = L::kKeysPerThread;
@@ -438,15 +439,16 @@ __device__ __forceinline__ unsigned int uint4_word(const uint4& v, int i) {
 template <typename T, int HEAD_DIM, int HEADS>
 __global__ void __launch_bounds__(kDecodeThreads, DecodeTcLayout<HEAD_DIM>::kMinBlocks)
     decode_attention_tc(
-    const PagedAttentionArgs args,
+    PAGED_ATTENTION_TENSORS(T),
     float* __restrict__ partial_out,
     float* __restrict__ partial_lse,
+    PAGED_ATTENTION_SHAPE,
     int num_head_chunks,
+    int block_size,
     unsigned int block_magic,
     int block_shift,
     int keys_per_split,
     int num_reqs) {
-  UNPACK_PAGED_ATTENTION_ARGS(T, args);
   static_assert(HEADS <= 8, "the heads are the 8 MMA columns");
   using L = DecodeTcLayout<HEAD_DIM>;
   constexpr int QC = L::kQkChunks;

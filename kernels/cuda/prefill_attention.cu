@@ -47,10 +47,11 @@ __device__ __forceinline__ void store_row_vec(float* dst, const float* vals) {
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<HEAD_DIM>::kMinCtasPerSm)
     prefill_attention(
-    const PagedAttentionArgs args,
+    PAGED_ATTENTION_TENSORS(T),
+    PAGED_ATTENTION_SHAPE,
     int tokens_per_tile,
+    int block_size,
     int skip_single_token_queries) {
-  UNPACK_PAGED_ATTENTION_ARGS(T, args);
   using L = PrefillLayout<HEAD_DIM>;
   constexpr int kVec = VecTraits<T>::kElems;
   constexpr int kVecsPerRow = HEAD_DIM / kVec;

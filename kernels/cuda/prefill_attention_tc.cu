@@ -84,10 +84,11 @@ struct TcLayout {
 
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kTcThreads) prefill_attention_tc(
-    const PagedAttentionArgs args,
+    PAGED_ATTENTION_TENSORS(T),
+    PAGED_ATTENTION_SHAPE,
     int tokens_per_tile,
+    int block_size,
     int skip_single_token_queries) {
-  UNPACK_PAGED_ATTENTION_ARGS(T, args);
   using L = TcLayout<HEAD_DIM>;
 
   PrefillTile tile;
