@@ -70,7 +70,10 @@ class Scheduler:
     preempted, when the budget or the free blocks cannot hold them. After the step the
     rejected drafts are rolled back from `num_computed_tokens` and the accepted tokens
     appended one by one through the stop checks. Drafts never enter `all_token_ids`, so only
-    accepted tokens' blocks are hashed into the prefix cache.
+    accepted tokens' blocks are hashed into the prefix cache. Drafts are part of
+    `num_new_tokens` in `allocate_slots` (tokens computed this step); `num_lookahead_tokens`
+    stays 0: it reserves slots for tokens a proposer in the worker would write after the step
+    (EAGLE), and drafts proposed here need none beyond their own.
     """
 
     def __init__(

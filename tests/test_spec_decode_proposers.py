@@ -152,26 +152,29 @@ def test_suffix_proposer_drafts_from_earlier_outputs_and_its_own_tokens():
 def test_drafter_respects_max_tokens_max_model_len_and_prefill():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
     drafter = Drafter(config, max_model_len=20)
-    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
-    assert drafter.max_num_draft_tokens(_decoding_request("a", prompt)) == 4
+    prompt = [1, 2, 3, 4, 5, 6, 1]
+    assert drafter.max_num_draft_tokens(_decoding_request("a", prompt, [2])) == 4
+    # Prompt done but its last token not computed: a prefill step, never drafted.
+    assert drafter.max_num_draft_tokens(_decoding_request("a0", prompt)) == 0
     # max_tokens 3 with 1 token out: 2 more may come, one of them sampled after the drafts.
     assert drafter.max_num_draft_tokens(_decoding_request("b", prompt, [3], max_tokens=3)) == 1
     assert drafter.max_num_draft_tokens(_decoding_request("c", prompt, [3], max_tokens=2)) == 0
     # 18 tokens of max_model_len 20: one draft, then the token after it reaches 20.
-    long = _decoding_request("d", prompt + [0] * 10)
+    long = _decoding_request("d", prompt + [0] * 10, [0])
     assert drafter.max_num_draft_tokens(long) == 1
-    prefilling = _decoding_request("e", prompt)
-    prefilling.num_computed_tokens = 4
+    prefilling = _decoding_request("e", prompt, [2])
+    prefilling.num_computed_tokens = 4  # recomputing after a preemption
     assert drafter.max_num_draft_tokens(prefilling) == 0
-    drafter.propose_drafts([prefilling, _decoding_request("f", prompt)])
-    assert prefilling.spec_token_ids == []
+    decoding = _decoding_request("f", prompt, [2])
+    drafter.propose_drafts([prefilling, decoding])
+    assert (prefilling.spec_token_ids, decoding.spec_token_ids) == ([], [3, 4, 5, 6])
 
 
 def test_drafter_turns_off_at_disable_by_batch_size():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=2,
                                prompt_lookup_min=1, disable_by_batch_size=3)  # fmt: skip
     drafter = Drafter(config, max_model_len=64)
-    batch = [_decoding_request(str(i), [1, 2, 3, 1, 2]) for i in range(3)]
+    batch = [_decoding_request(str(i), [1, 2, 3, 1], [2]) for i in range(3)]
     drafter.propose_drafts(batch[:2])
     assert [r.spec_token_ids for r in batch[:2]] == [[3, 1], [3, 1]]
     drafter.propose_drafts(batch)
