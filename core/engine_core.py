@@ -147,6 +147,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         policy=config.policy,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        speculative_config=config.speculative_config,
     )
     kv_cache_config = KVCacheConfig.for_layers(
         readies[0].layer_sliding_windows,

@@ -55,6 +55,9 @@ WORKLOAD_COUNTERS = (
     "prefix_cache_preempted_hits",
     "num_prompt_tokens",
     "num_generation_tokens",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 
 
@@ -162,4 +165,12 @@ def run_requests(
 def _workload_stats(before: SchedulerStats, after: SchedulerStats) -> SchedulerStats:
     """`after`, with each cumulative counter reduced to its increase since `before`."""
     increases = {name: getattr(after, name) - getattr(before, name) for name in WORKLOAD_COUNTERS}
+    increases["spec_decode_num_accepted_tokens_per_pos"] = [
+        count_after - count_before
+        for count_after, count_before in zip(
+            after.spec_decode_num_accepted_tokens_per_pos,
+            before.spec_decode_num_accepted_tokens_per_pos,
+            strict=True,
+        )
+    ]
     return msgspec.structs.replace(after, **increases)

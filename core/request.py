@@ -50,6 +50,10 @@ class Request:
     arrive, each chained to the previous one, the first keyed by `sampling_params.cache_salt`
     too (`common.block_hash.block_extra_keys`). `num_computed_tokens` counts tokens whose KV is
     in the cache (or scheduled to be written this step).
+
+    `spec_token_ids`: draft tokens proposed for the next step (speculative decoding), never
+    part of `all_token_ids` nor of any block hash; empty except between the drafter's
+    proposal and the scheduling pass that ships them (or drops them).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] | None = (
             [] if sampling_params.prompt_logprobs is not None else None
         )
+        self.spec_token_ids: list[int] = []
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[BlockHash] = []
@@ -91,6 +96,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens the next step may compute up to: the real ones plus the drafts."""
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

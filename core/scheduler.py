@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from common.math_utils import cdiv
 from core.kv_cache_events import KVCacheEventLog
 from core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from core.kv_cache_spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from core.kv_cache_spec import KVCacheConfig
 from core.request import Request, RequestStatus
 from core.request_queue import create_request_queue
-from core.scheduler_config import SchedulerConfig
+from core.scheduler_config import (
+    SchedulerConfig,
+    blocks_per_full_length_request,
+    check_pool_holds_one_request,
+)
+from core.spec_decode.drafter import Drafter
+from core.spec_decode.spec_decoding_stats import SpecDecodingStats
 from proto import (
     CachedRequestData,
     EngineCoreOutput,
@@ -38,6 +43,7 @@ class _StepPlan:
     preempted_reqs: list[Request]
     num_scheduled_tokens: dict[str, int]
     req_to_new_blocks: dict[str, KVCacheBlocks]
+    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -57,6 +63,17 @@ class Scheduler:
 
     `kv_cache_config` gives the KV cache groups of a hybrid model (one full-attention group
     otherwise); the workers get every group's block ids.
+
+    Speculative decoding (`config.speculative_config`): before each step the `Drafter` gives
+    decoding requests draft tokens; the budget and the KV slots count them (a request with K
+    drafts is scheduled for 1 + K tokens), but drafts are cut, never another request
+    preempted, when the budget or the free blocks cannot hold them. After the step the
+    rejected drafts are rolled back from `num_computed_tokens` and the accepted tokens
+    appended one by one through the stop checks. Drafts never enter `all_token_ids`, so only
+    accepted tokens' blocks are hashed into the prefix cache. Drafts are part of
+    `num_new_tokens` in `allocate_slots` (tokens computed this step); `num_lookahead_tokens`
+    stays 0: it reserves slots for tokens a proposer in the worker would write after the step
+    (EAGLE), and drafts proposed here need none beyond their own.
     """
 
     def __init__(
@@ -66,7 +83,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         if kv_cache_config is None:
             kv_cache_config = KVCacheConfig.full_attention(config.block_size, config.max_model_len)
-        _check_pool_holds_one_request(config, kv_cache_config)
+        check_pool_holds_one_request(config, kv_cache_config)
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=config.num_gpu_blocks,
             block_size=config.block_size,
@@ -87,6 +104,11 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
+        spec_config = config.speculative_config
+        self.drafter = Drafter(spec_config, config.max_model_len) if spec_config else None
+        self.spec_decoding_stats = SpecDecodingStats(
+            spec_config.num_lookahead_tokens if spec_config else 0
+        )
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -144,6 +166,9 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
+        if self.drafter is not None:
+            self.drafter.remove_request(request)
         self.finished_req_ids.add(request.request_id)
         self._num_tokens_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
@@ -197,9 +222,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens, [], [], [], [], {}, {})
+        if self.drafter is not None:
+            self.drafter.propose_drafts(self.running)
         self._schedule_running(plan)
         if not plan.preempted_reqs:
             self._schedule_waiting(plan)
+        if self.drafter is not None:  # drafts not shipped this step are dropped
+            for request in self.running:
+                request.spec_token_ids = []
         output = self._make_scheduler_output(plan)
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
@@ -209,7 +239,7 @@ class Scheduler:
     def _num_tokens_to_schedule(
         self, request: Request, num_computed_tokens: int, budget: int
     ) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        num_new_tokens = request.num_tokens_with_spec - num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -233,15 +263,35 @@ class Scheduler:
             if num_new_tokens <= 0:
                 index += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
-            if new_blocks is None:
+            allocation = self._allocate_running(request, num_new_tokens, plan)
+            if allocation is None:
                 break
+            new_blocks, num_new_tokens = allocation
+            num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if num_drafts > 0:
+                plan.spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             plan.running_reqs.append(request)
             plan.req_to_new_blocks[request.request_id] = new_blocks
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
             # A preempted victim may have sat before this request; find where it is now.
             index = self.running.index(request) + 1 if plan.preempted_reqs else index + 1
+
+    def _allocate_running(
+        self, request: Request, num_new_tokens: int, plan: _StepPlan
+    ) -> tuple[KVCacheBlocks, int] | None:
+        """Slots for a running request's `num_new_tokens`, drafts included: drafts are cut,
+        last first, to what the free blocks hold, never preempting anyone for a draft; the
+        real tokens then preempt as usual. Returns (new blocks, tokens scheduled), or None
+        if the request itself was preempted."""
+        num_drafts = max(0, request.num_computed_tokens + num_new_tokens - request.num_tokens)
+        for num_cut in range(num_drafts):
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens - num_cut)
+            if new_blocks is not None:
+                return new_blocks, num_new_tokens - num_cut
+        num_new_tokens -= num_drafts
+        new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+        return None if new_blocks is None else (new_blocks, num_new_tokens)
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: _StepPlan
@@ -273,11 +323,13 @@ class Scheduler:
         plan.token_budget += num_tokens
         plan.running_reqs.remove(request)
         plan.req_to_new_blocks.pop(request.request_id)
+        plan.spec_decode_tokens.pop(request.request_id, None)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         if request.prompt_logprobs:  # not sent yet: the prompt is computed again from the start
             request.prompt_logprobs.clear()
         request.num_preemptions += 1
@@ -348,6 +400,7 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             preempted_req_ids=[r.request_id for r in plan.preempted_reqs],
             grammars_to_prepare=self._take_grammars_to_prepare(),
+            scheduled_spec_decode_tokens=plan.spec_decode_tokens,
         )
 
     def _new_request_data(self, request: Request, plan: _StepPlan) -> NewRequestData:
@@ -383,6 +436,7 @@ class Scheduler:
         Tokens for requests that were aborted while the step ran are dropped; requests the
         worker reports in `request_errors` finish with an ERROR output (a grammar that failed
         to compile among them); those in `grammars_ready` leave WAITING_FOR_FSM for `waiting`.
+        A request that verified drafts gets its rejected ones rolled back first.
         """
         outputs = []
         for request_id, message in model_runner_output.request_errors.items():
@@ -401,6 +455,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if not sampled_token_ids or request is None or request.is_finished():
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self._roll_back_rejected_drafts(request, drafts, sampled_token_ids)
             new_token_ids = self._append_until_stop(request, sampled_token_ids)
             self.num_generation_tokens += len(new_token_ids)
             token_logprobs = logprobs[index] if logprobs is not None else None
@@ -425,6 +482,21 @@ class Scheduler:
         if stopped_ids:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _roll_back_rejected_drafts(
+        self, request: Request, drafts: list[int], sampled_token_ids: list[int]
+    ) -> None:
+        """Uncomputes the positions after the accepted drafts (their KV is overwritten next
+        step). The worker must return the accepted drafts, in order, then one more token."""
+        num_accepted = len(sampled_token_ids) - 1
+        if num_accepted > len(drafts) or sampled_token_ids[:num_accepted] != drafts[:num_accepted]:
+            raise RuntimeError(
+                f"request {request.request_id!r} verified drafts {drafts} but the worker "
+                f"returned {sampled_token_ids}: expected an accepted prefix of the drafts "
+                "and one token after it"
+            )
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
 
     def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
         new_token_ids = []
@@ -476,37 +548,23 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
+            spec_decode_num_drafts=self.spec_decoding_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decoding_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decoding_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(
+                self.spec_decoding_stats.num_accepted_tokens_per_pos
+            ),
         )
 
-
-def _check_pool_holds_one_request(config: SchedulerConfig, kv_cache_config: KVCacheConfig) -> None:
-    """A request of max_model_len tokens must fit in every group at once, or it could only
-    ever preempt itself. A sliding-window group holds at most its window plus one step's
-    tokens (the blocks before are freed as the request advances)."""
-    num_blocks_needed = blocks_per_full_length_request(config, kv_cache_config.kv_cache_groups)
-    num_groups = kv_cache_config.num_groups
-    in_groups = f" in its {num_groups} KV cache groups" if num_groups > 1 else ""
-    if config.num_gpu_blocks - 1 < num_blocks_needed:
-        raise ValueError(
-            f"num_gpu_blocks={config.num_gpu_blocks} cannot hold one request of max_model_len="
-            f"{config.max_model_len} tokens{in_groups} ({num_blocks_needed} blocks of "
-            f"{config.block_size} plus the null block); lower max_model_len or give the KV cache "
-            "more memory"
-        )
-
-
-def blocks_per_full_length_request(config: SchedulerConfig, groups: list[KVCacheSpec]) -> int:
-    """Blocks one request of max_model_len tokens holds at once in all of `groups`."""
-    return sum(max_blocks_per_request(spec, config) for spec in groups)
-
-
-def max_blocks_per_request(spec: KVCacheSpec, config: SchedulerConfig) -> int:
-    """The most blocks one request of max_model_len tokens holds at once in a group of `spec`."""
-    num_blocks_full = cdiv(config.max_model_len, config.block_size)
-    if isinstance(spec, SlidingWindowSpec):
-        num_tokens_in_reach = spec.sliding_window - 1 + config.max_num_batched_tokens
-        return min(num_blocks_full, cdiv(num_tokens_in_reach, config.block_size) + 1)
-    return num_blocks_full
+    def check_spec_decode_integrity(self) -> None:
+        """Between steps: no request holds drafts, none has more tokens computed than it
+        has, and the accepted drafts never outnumber the drafted ones. Raises AssertionError."""
+        for request in self.requests.values():
+            assert not request.spec_token_ids, f"{request} holds drafts between steps"
+            assert request.num_computed_tokens <= request.num_tokens, f"{request} computed drafts"
+        stats = self.spec_decoding_stats
+        assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+        assert stats.num_accepted_tokens <= stats.num_draft_tokens
 
 
 def _nonempty_groups(blocks: KVCacheBlocks) -> list[list[int]]:

@@ -212,8 +212,12 @@ class DataParallelCoreClient:
 
 
 def sum_stats(per_core: list[SchedulerStats]) -> SchedulerStats:
-    """The engine's stats from its cores': counters and gauges summed, KV usage averaged."""
-    fields = SchedulerStats.__struct_fields__
-    total = {name: sum(getattr(stats, name) for stats in per_core) for name in fields}
+    """The engine's stats from its cores': counters and gauges summed (per-position counters
+    position by position), KV usage averaged."""
+    per_pos = "spec_decode_num_accepted_tokens_per_pos"
+    fields = [name for name in SchedulerStats.__struct_fields__ if name != per_pos]
+    total: dict = {name: sum(getattr(stats, name) for stats in per_core) for name in fields}
     total["kv_cache_usage"] = total["kv_cache_usage"] / max(len(per_core), 1)
+    per_pos_counts = (getattr(stats, per_pos) for stats in per_core)
+    total[per_pos] = [sum(counts) for counts in zip(*per_pos_counts, strict=True)]
     return SchedulerStats(**total)

@@ -43,6 +43,9 @@ class _LogMark:
     time_s: float
     num_prompt_tokens: float = 0.0
     num_generation_tokens: float = 0.0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class EngineMetrics:
@@ -124,21 +127,47 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
     def log_line(self, stats: SchedulerStats, now_s: float) -> str:
-        """One line on throughput since the previous call, queues, KV usage and prefix hits."""
+        """One line on throughput since the previous call, queues, KV usage and prefix hits;
+        once the engine has verified drafts, their acceptance rate and mean acceptance length
+        since the previous call too."""
         mark = self._log_mark
         elapsed_s = max(now_s - mark.time_s, 1e-9)
         num_prompt_tokens = self.num_prompt_tokens
         num_generation_tokens = self.num_generation_tokens
         prompt_throughput = (num_prompt_tokens - mark.num_prompt_tokens) / elapsed_s
         generation_throughput = (num_generation_tokens - mark.num_generation_tokens) / elapsed_s
-        self._log_mark = _LogMark(now_s, num_prompt_tokens, num_generation_tokens)
-        return (
+        self._log_mark = _LogMark(
+            now_s,
+            num_prompt_tokens,
+            num_generation_tokens,
+            stats.spec_decode_num_drafts,
+            stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens,
+        )
+        line = (
             f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
             f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
             f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
             f"KV cache usage: {stats.kv_cache_usage:.1%}, "
             f"Prefix cache hit rate: {stats.prefix_cache_hit_rate:.1%}"
         )
+        if stats.spec_decode_num_drafts == 0:
+            return line
+        return f"{line}, {_spec_decode_interval(stats, mark)}"
+
+
+def _spec_decode_interval(stats: SchedulerStats, mark: _LogMark) -> str:
+    """Speculative decoding since `mark`, as vLLM's log line gives it."""
+    num_drafts = stats.spec_decode_num_drafts - mark.spec_decode_num_drafts
+    num_draft_tokens = stats.spec_decode_num_draft_tokens - mark.spec_decode_num_draft_tokens
+    num_accepted = stats.spec_decode_num_accepted_tokens - mark.spec_decode_num_accepted_tokens
+    acceptance_rate = num_accepted / num_draft_tokens if num_draft_tokens else 0.0
+    mean_length = 1 + num_accepted / num_drafts if num_drafts else 0.0
+    return (
+        f"SpecDecoding: {num_drafts} drafts, {num_draft_tokens} draft tokens, "
+        f"{num_accepted} accepted, acceptance rate: {acceptance_rate:.1%}, "
+        f"mean acceptance length: {mean_length:.2f}"
+    )
 
 
 class _SchedulerCollector(Collector):
@@ -151,6 +180,21 @@ class _SchedulerCollector(Collector):
         self.per_core: list[SchedulerStats] = []
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield from self._collect_scheduler_metrics()
+        yield self._accepted_tokens_per_position()
+
+    def _accepted_tokens_per_position(self) -> CounterMetricFamily:
+        """One sample per draft position (none while speculation is off)."""
+        metric = CounterMetricFamily(
+            METRIC_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft (0-based).",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(self.stats.spec_decode_num_accepted_tokens_per_pos):
+            metric.add_metric([self.model_name, str(position)], count)
+        return metric
+
+    def _collect_scheduler_metrics(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         for family, name, help_text, read in SCHEDULER_METRICS:
             metric = family(METRIC_PREFIX + name, help_text, labels=["model_name"])
             metric.add_metric([self.model_name], read(self.stats))
@@ -216,5 +260,23 @@ SCHEDULER_METRICS = (
         "num_preemptions",
         "Requests preempted for lack of KV blocks.",
         lambda stats: stats.num_preemptions,
+    ),
+    (
+        CounterMetricFamily,
+        "spec_decode_num_drafts",
+        "Drafts verified (one per request and step that verified draft tokens).",
+        lambda stats: stats.spec_decode_num_drafts,
+    ),
+    (
+        CounterMetricFamily,
+        "spec_decode_num_draft_tokens",
+        "Draft tokens verified.",
+        lambda stats: stats.spec_decode_num_draft_tokens,
+    ),
+    (
+        CounterMetricFamily,
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens accepted.",
+        lambda stats: stats.spec_decode_num_accepted_tokens,
     ),
 )

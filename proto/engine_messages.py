@@ -94,8 +94,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     """A snapshot of the scheduler; prefix cache counters are cumulative, in tokens (requests
     in requests), one lookup per admitted request; `prefix_cache_preempted_*` count the lookups
     of requests readmitted after a preemption, which the others (and the hit rate) leave out.
-    Built on request (the `get_stats` utility call, which /metrics and the stats log poll),
-    never per step."""
+    `spec_decode_*` count speculative decoding, cumulatively: request-steps that verified
+    drafts, their draft tokens, the tokens accepted, and per draft position (0-based) how many
+    drafts had their token there accepted (one entry per speculative token; empty when
+    speculation is off). Built on request (the `get_stats` utility call, which /metrics and
+    the stats log poll), never per step."""
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -110,12 +113,31 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_preempted_requests: int = 0
     prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Draft tokens accepted per draft token verified (0 before any draft)."""
+        if self.spec_decode_num_draft_tokens == 0:
+            return 0.0
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verifying request gains per step: 1 (the token sampled after the accepted
+        drafts) plus the accepted drafts, on average (0 before any draft)."""
+        if self.spec_decode_num_drafts == 0:
+            return 0.0
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
 
 class KVBlockState(enum.IntEnum):

@@ -2,7 +2,8 @@
 
     python scripts/generate.py [--model PATH] [--device cpu|cuda] [--max-tokens N]
         [--temperature T] [--seed S] [--ignore-eos] [--max-num-batched-tokens N]
-        [--num-gpu-blocks-override N] [--no-enable-prefix-caching] PROMPT...
+        [--num-gpu-blocks-override N] [--no-enable-prefix-caching]
+        [--speculative-config JSON] PROMPT...
 
 All prompts run as one continuously batched workload; one JSON object per prompt is printed,
 in order: {"prompt", "text", "token_ids" (generated only), "finish_reason"}. The engine is
@@ -24,8 +25,9 @@ from common.dtypes import DTYPE_NAMES
 from common.model_files import resolve_model_path
 from core.in_process_engine import GenerationOutput, InProcessEngine
 from frontend.text.tokenizer import load_tokenizer
-from proto import SamplingParams
+from proto import SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
+from proto.speculative_config import SpeculativeConfig
 from worker.local_executor import LocalExecutor
 
 
@@ -55,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,
+        speculative_config=args.speculative_config,
     )
     output = generate(args.prompts, config, sampling_params)
     for prompt, result in zip(args.prompts, output.results, strict=True):
@@ -71,10 +74,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = output.stats
     print(
         f"{stats.num_steps} steps, {stats.num_generation_tokens} tokens in {output.elapsed_s:.2f} s, "
-        f"{stats.num_preemptions} preemptions, {stats.prefix_cache_hits} prefix-cache hit tokens",
+        f"{stats.num_preemptions} preemptions, {stats.prefix_cache_hits} prefix-cache hit tokens"
+        + _spec_decode_summary(stats),
         file=sys.stderr,
     )
     return 0
+
+
+def _spec_decode_summary(stats: SchedulerStats) -> str:
+    if stats.spec_decode_num_drafts == 0:
+        return ""
+    return (
+        f", {stats.spec_decode_num_draft_tokens} draft tokens, acceptance rate "
+        f"{stats.spec_decode_acceptance_rate:.1%}, mean acceptance length "
+        f"{stats.spec_decode_mean_acceptance_length:.2f}"
+    )
+
+
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -93,6 +114,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s, e.g. {"method": "ngram", "num_speculative_tokens": 4}',
     )
     return parser.parse_args(argv)
 

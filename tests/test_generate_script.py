@@ -38,3 +38,15 @@ def test_cli_prints_one_json_line_per_prompt_in_order(tmp_path):
     for prompt, line in zip(prompts, lines, strict=True):
         assert line["token_ids"] == hf_greedy(hf_model, tokenizer.encode(prompt), 6)
         assert line["text"] == tokenizer.decode(line["token_ids"])
+
+
+def test_a_bad_speculative_config_is_refused_naming_the_field():
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "hello",
+         "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3}'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "num_speculative_tokens is required for method 'ngram'" in result.stderr

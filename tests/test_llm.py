@@ -290,3 +290,18 @@ def test_chunked_prefill_can_be_switched_off_as_in_vllm():
         prompt = [i % 200 + 1 for i in range(3000)]
         output = llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
         assert output[0].outputs[0].text == "**"
+
+
+def test_speculative_config_reaches_the_scheduler_and_never_overshoots_max_tokens():
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with LLM(model="null", max_model_len=256, speculative_config=config) as llm:
+        (output,) = llm.generate("**", SamplingParams(max_tokens=9, temperature=0.0))
+        stats = llm._client.get_stats()
+    assert output.outputs[0].text == NULL_TOKEN_TEXT * 9
+    assert stats.spec_decode_num_drafts > 0  # the prompt and the output repeat one token
+    assert len(stats.spec_decode_num_accepted_tokens_per_pos) == 3
+
+
+def test_a_bad_speculative_config_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        LLM(model="null", speculative_config={"method": "eagle"})

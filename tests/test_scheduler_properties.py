@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from core.request import RequestStatus
+from proto.speculative_config import SpeculativeConfig
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request, make_scheduler
 
 actions = st.lists(
@@ -32,9 +33,10 @@ actions = st.lists(
     policy=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
     sliding_window=st.sampled_from([None, 1, 4, 5, 9]),
+    num_speculative_tokens=st.sampled_from([None, 1, 3]),
 )
 def test_random_interleavings_keep_invariants(
-    actions, num_gpu_blocks, budget, policy, caching, sliding_window
+    actions, num_gpu_blocks, budget, policy, caching, sliding_window, num_speculative_tokens
 ):
     kv_cache_config = None
     if sliding_window is not None:  # hybrid: a full-attention and a sliding-window group
@@ -49,6 +51,10 @@ def test_random_interleavings_keep_invariants(
         max_num_seqs=4,
         policy=policy,
         enable_prefix_caching=caching,
+        speculative_config=num_speculative_tokens
+        and SpeculativeConfig(
+            method="ngram", num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=1
+        ),
     )
     pool = scheduler.kv_cache_manager.block_pool
     added = []
@@ -73,6 +79,7 @@ def test_random_interleavings_keep_invariants(
         elif added:
             scheduler.finish_requests(added[action[1] % len(added)], RequestStatus.FINISHED_ABORTED)
         scheduler.kv_cache_manager.check_integrity()
+        scheduler.check_spec_decode_integrity()
         _check_block_ownership(scheduler)
 
     for _ in range(2000):
