@@ -410,7 +410,9 @@ def test_sigterm_of_the_core_exits_cleanly_without_leftovers():
             os.kill(core_pid, signal.SIGTERM)
             item = await last_item(queue)
             assert isinstance(item, EngineDeadError) and "stopped by SIGTERM" in str(item)
-            await wait_until(lambda: client.core_process.process.poll() is not None, 10, "the core exits")
+            await wait_until(
+                lambda: client.core_process.process.poll() is not None, 10, "the core exits"
+            )
             assert client.core_process.process.returncode == 0
             assert not is_alive(worker_pid)
             assert sorted(ipc_dir.iterdir()) == frontend_sockets  # the core left nothing
