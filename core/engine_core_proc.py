@@ -40,8 +40,9 @@ from core.engine_core import (
     make_request,
     start_engine_core,
 )
+from core.executor_factory import make_executor
 from core.kv_cache_events import KVCacheEventLog
-from core.multiproc_executor import MultiprocExecutor, WorkerFailedError
+from core.multiproc_executor import WorkerFailedError
 from core.request import Request
 from core.scheduler import Scheduler
 from core.step_trace import StepTrace
@@ -134,7 +135,7 @@ class EngineCoreProc:
 
     def _start_engine(self) -> EngineReady:
         """Starts the worker processes and runs the start-up handshake."""
-        self.executor = MultiprocExecutor(self.config)
+        self.executor = make_executor(self.config)
         self.engine_core, ready = start_engine_core(self.config, self.executor)
         self.vocab_size = ready.vocab_size
         if self.config.data_parallel_size > 1:

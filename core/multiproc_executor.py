@@ -229,7 +229,7 @@ class MultiprocExecutor:
             error = self._last_words(worker)
             if error is not None:
                 raise self._worker_failed(error)
-        raise WorkerFailedError(_describe_death(dead[0]))
+        raise WorkerFailedError(self._describe_death(dead[0]))
 
     def _last_words(self, worker: WorkerProcess) -> WorkerError | None:
         """The WorkerError an exited worker left unread in its pipe, if any."""
@@ -247,7 +247,7 @@ class MultiprocExecutor:
         crash), or that disconnected without a word if remote: such a rank is the cause, and
         the surviving ranks' failed collectives ("Connection reset by peer") are symptoms."""
         wait_s = PEER_DEATH_GRACE_S if len(self.workers) > 1 else 0.0
-        causes = [_describe_death(w) for w in self._killed_workers(error.rank, wait_s)]
+        causes = [self._describe_death(w) for w in self._killed_workers(error.rank, wait_s)]
         return WorkerFailedError("; ".join([*causes, _describe_worker_error(error)]))
 
     def _pipe_closed(
@@ -256,14 +256,19 @@ class MultiprocExecutor:
         """The error for a worker whose pipe closed: its exit, once it has exited; for a remote
         worker, its connection's end (`error` says how, when known)."""
         if worker.is_remote:
-            return WorkerFailedError(_describe_death(worker, error))
+            return WorkerFailedError(self._describe_death(worker, error))
         try:
             worker.process.wait(EXIT_AFTER_CLOSE_S)
         except subprocess.TimeoutExpired:
             return WorkerFailedError(
                 f"worker rank {worker.rank} (pid {worker.process.pid}) closed its pipe"
             )
-        return WorkerFailedError(_describe_death(worker))
+        return WorkerFailedError(self._describe_death(worker))
+
+    def _describe_death(self, worker: WorkerProcess, error: PeerClosedError | None = None) -> str:
+        """How `worker` ended, for the error that fails the engine; an executor that knows more
+        about its workers' hosts (`RayExecutor`) adds what it knows."""
+        return _describe_death(worker, error)
 
     def _killed_workers(self, other_than_rank: int, wait_s: float) -> list[WorkerProcess]:
         """Workers other than `other_than_rank` that ended without a word (`was_killed`),

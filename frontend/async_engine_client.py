@@ -83,14 +83,16 @@ class AsyncEngineClient:
         self.metrics = EngineMetrics(metrics_name, start_time_s=time.monotonic())
         # Given an address, attach to the core started there (`python -m core
         # --frontend-address ADDRESS`); never start a second one.
-        if config.data_parallel_size > 1 and address is not None:
+        launches_cores = config.data_parallel_size > 1 or config.data_parallel_backend == "ray"
+        if launches_cores and address is not None:
             raise ValueError(
-                f"data_parallel_size={config.data_parallel_size} launches its own engine cores; "
+                f"data_parallel_size={config.data_parallel_size} launches its own engine cores"
+                f"{' (data_parallel_backend=ray)' if config.data_parallel_size == 1 else ''}; "
                 f"attaching to the one at {address} serves a single core"
             )
         self._core: CoreClient = (
             DataParallelCoreClient(config)
-            if config.data_parallel_size > 1
+            if launches_cores
             else AsyncCoreClient(config, address, launch_core=address is None)
         )
         self._request_id_to_processor: dict[str, OutputProcessor] = {}

@@ -22,7 +22,6 @@ import itertools
 import logging
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable
 
@@ -31,7 +30,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from common.process_watch import describe_exit, python_module_command, stop_process
+from frontend.core_process import CoreLauncher, CoreProcess, LocalCoreLauncher
 from proto import (
     AbortRequests,
     EngineCoreOutput,
@@ -86,7 +85,8 @@ class AsyncCoreClient:
     `env`: the launched core's environment (None: this process's). `on_outputs` sees every
     `EngineCoreOutputs` before its outputs are dispatched (a data-parallel router counts load
     and reads the core's KV cache events there). `label` prefixes the reasons of its death
-    ("engine core 1 of 2").
+    ("engine core 1 of 2"). `launcher` starts the core (default: `python -m core` as this
+    process's child; see `frontend.core_process`).
     """
 
     def __init__(
@@ -98,6 +98,7 @@ class AsyncCoreClient:
         env: dict[str, str] | None = None,
         on_outputs: Callable[[EngineCoreOutputs], None] | None = None,
         label: str | None = None,
+        launcher: CoreLauncher | None = None,
     ) -> None:
         if address is None and not launch_core:
             raise ValueError("launch_core=False needs the address the engine core connects to")
@@ -109,6 +110,7 @@ class AsyncCoreClient:
         self.env = env
         self.on_outputs = on_outputs
         self.label = label
+        self.launcher = launcher or LocalCoreLauncher()
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
         self._context: zmq.asyncio.Context | None = None
@@ -119,7 +121,7 @@ class AsyncCoreClient:
         )
         self._liveness_timer: asyncio.TimerHandle | None = None  # set once dispatching starts
         self._core_routing_id: bytes | None = None
-        self._process: subprocess.Popen | None = None
+        self._process: CoreProcess | None = None
         self._ipc_dir: str | None = None
         self._core_connected = False  # attach: a core's connection was seen
         self._warned_no_core = False
@@ -141,6 +143,11 @@ class AsyncCoreClient:
     def core_pid(self) -> int | None:
         """The pid of the core this client launched (None for a core started separately)."""
         return self._process.pid if self._process is not None else None
+
+    @property
+    def core_process(self) -> CoreProcess | None:
+        """The core this client launched (None for a core started separately)."""
+        return self._process
 
     # ---- start-up --------------------------------------------------------------------------
 
@@ -183,15 +190,10 @@ class AsyncCoreClient:
         self._pull = zmq.Context.shadow(self._context.underlying).socket(zmq.PULL)
         self._pull.bind(endpoints.outputs)
 
-    def _launch_core(self) -> subprocess.Popen:
-        argv = [
-            *python_module_command("core"),
-            "--frontend-address", self.address,
-            "--config", self.config.to_b64(),
-            "--watch-parent",
-        ]  # fmt: skip
-        process = subprocess.Popen(argv, env=self.env)
-        logger.info("launched engine core (pid %d) at %s", process.pid, self.address)
+    def _launch_core(self) -> CoreProcess:
+        process = self.launcher.launch(self.address, self.config, self.env)
+        where = f"pid {process.pid}" if process.pid is not None else "placed by its launcher"
+        logger.info("launched engine core (%s) at %s", where, self.address)
         return process
 
     def _watch_core_connection(self) -> None:
@@ -417,8 +419,8 @@ class AsyncCoreClient:
             self._die(f"engine core died: {message.reason}")
 
     def _core_gone_reason(self) -> str | None:
-        if self._process is not None and (returncode := self._process.poll()) is not None:
-            return f"engine core process {self._process.pid} exited ({describe_exit(returncode)})"
+        if self._process is not None and (reason := self._process.exit_reason()) is not None:
+            return reason
         if self._core_disconnected:
             return f"engine core at {self.address} disconnected"
         return None
@@ -482,6 +484,4 @@ class AsyncCoreClient:
 
     async def _stop_core_process(self) -> None:
         # The core stops its workers within about 2 * shutdown_timeout_s, then flushes.
-        await asyncio.to_thread(
-            stop_process, self._process, 3 * self.config.shutdown_timeout_s + 1.0
-        )
+        await asyncio.to_thread(self._process.stop, 3 * self.config.shutdown_timeout_s + 1.0)

@@ -1,6 +1,8 @@
 """`DataParallelCoreClient`: `data_parallel_size` engine cores behind one frontend.
 
-It launches one `AsyncCoreClient` (core process, own workers) per data-parallel rank, all with
+It launches one `AsyncCoreClient` (core process, own workers) per data-parallel rank (this
+process's children, or with `data_parallel_backend="ray"` placed by Ray through
+`frontend.ray_core_launcher`), all with
 one block hash seed (`PREFIX_HASH_SEED_ENV`), so the frontend computes the hashes the cores
 cache and a `PrefixAwareRouter` sends each request to the core that holds its prefix, else to
 the least loaded. It offers the single-core client's interface, so `AsyncEngineClient` works the
@@ -54,17 +56,15 @@ class DataParallelCoreClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.seed = os.urandom(SEED_BYTES)
-        env = {**os.environ, PREFIX_HASH_SEED_ENV: self.seed.hex()}
-        size = config.data_parallel_size
-        self.cores = [
-            AsyncCoreClient(
-                msgspec.structs.replace(config, data_parallel_rank=rank),
-                env=env,
-                on_outputs=self._outputs_listener(rank),
-                label=f"engine core {rank} of {size}",
-            )
-            for rank in range(size)
-        ]
+        self.ray_launcher = None  # data_parallel_backend="ray": made, and the cores, in start()
+        self.cores: list[AsyncCoreClient] = []
+        if config.data_parallel_backend == "ray":
+            from frontend.ray_core_launcher import RayCoreLauncher
+
+            self.ray_launcher = RayCoreLauncher(config)
+        else:
+            env = {**os.environ, PREFIX_HASH_SEED_ENV: self.seed.hex()}
+            self.cores = [self._make_core(rank, env) for rank in range(config.data_parallel_size)]
         self.ready: EngineReady | None = None
         self.router: PrefixAwareRouter | None = None
         self.dead_reason: str | None = None
@@ -80,10 +80,33 @@ class DataParallelCoreClient:
     def core_pids(self) -> list[int | None]:
         return [core.core_pid for core in self.cores]
 
+    def _make_core(self, rank: int, env: dict[str, str], launcher=None) -> AsyncCoreClient:
+        size = self.config.data_parallel_size
+        return AsyncCoreClient(
+            msgspec.structs.replace(self.config, data_parallel_rank=rank),
+            launcher.frontend_address() if launcher is not None else None,
+            env=env,
+            on_outputs=self._outputs_listener(rank),
+            label=f"engine core {rank} of {size}",
+            launcher=launcher.for_replica(rank) if launcher is not None else None,
+        )
+
     # ---- start-up --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Starts every core at once; if one fails, stops them all and raises its error."""
+        """Starts every core at once; if one fails, stops them all and raises its error. With
+        Ray, first reserves every replica's placement group (PlacementError if it cannot)."""
+        if self.ray_launcher is not None:
+            try:
+                await asyncio.to_thread(self.ray_launcher.reserve)
+            except BaseException:
+                await asyncio.to_thread(self.ray_launcher.release)
+                raise
+            env = {PREFIX_HASH_SEED_ENV: self.seed.hex()}  # on top of the node's environment
+            self.cores = [
+                self._make_core(rank, env, self.ray_launcher)
+                for rank in range(self.config.data_parallel_size)
+            ]
         results = await asyncio.gather(
             *(core.start() for core in self.cores), return_exceptions=True
         )
@@ -200,6 +223,8 @@ class DataParallelCoreClient:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
         await asyncio.gather(*(core.shutdown() for core in self.cores))
+        if self.ray_launcher is not None:
+            await asyncio.to_thread(self.ray_launcher.release)
         if self.dead_reason is None:
             self.dead_reason = "the engine client was shut down"
             self._died.set()

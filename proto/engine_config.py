@@ -21,6 +21,8 @@ from proto.speculative_config import SpeculativeConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("mp", "ray")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 NULL_MODEL = "null"
 MIN_FRAME_BYTES = 4096
 
@@ -71,6 +73,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_frame_bytes: int = 64 * 1024 * 1024
     enforce_eager: bool = False
     disable_hybrid_kv_cache: bool = False
+    distributed_executor_backend: str = "mp"
+    data_parallel_backend: str = "mp"
+    ray_placement_strategy: str = "PACK"
+    ray_cpus_per_worker: int = 1
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -115,6 +121,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             f"got {self.data_parallel_rank}",
         )
         self._check_worker_placement()
+        self._check_ray_placement()
         msgspec.structs.force_setattr(  # a dict or JSON from Python callers, validated here
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
@@ -223,6 +230,38 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "listen on that address",
         )
 
+    def _check_ray_placement(self) -> None:
+        """With the "ray" backend Ray places every rank and the core picks both addresses."""
+        for name in ("distributed_executor_backend", "data_parallel_backend"):
+            value = getattr(self, name)
+            _check(
+                value in EXECUTOR_BACKENDS,
+                f"{name} must be one of {EXECUTOR_BACKENDS}, got {value!r}",
+            )
+        strategy = self.ray_placement_strategy
+        _check(
+            strategy in RAY_PLACEMENT_STRATEGIES,
+            f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, got {strategy!r}",
+        )
+        _check(
+            self.ray_cpus_per_worker >= 1,
+            f"ray_cpus_per_worker must be at least 1, got {self.ray_cpus_per_worker}",
+        )
+        _check(
+            self.data_parallel_backend == "mp" or self.distributed_executor_backend == "ray",
+            "data_parallel_backend='ray' places each replica's workers with Ray too: set "
+            f"distributed_executor_backend='ray', got {self.distributed_executor_backend!r}",
+        )
+        if self.distributed_executor_backend != "ray":
+            return
+        for name in ("num_local_workers", "worker_address", "dist_init_address"):
+            value = getattr(self, name)
+            _check(
+                value is None,
+                f"{name}={value!r} is set, but with distributed_executor_backend='ray' Ray "
+                "places every rank and the engine core chooses the addresses: leave it unset",
+            )
+
     def to_b64(self) -> str:
         """Base64 msgpack, safe to pass as one argv element."""
         return base64.b64encode(msgspec.msgpack.encode(self)).decode("ascii")
@@ -326,6 +365,16 @@ FIELD_HELP = {
     "disable_hybrid_kv_cache": (
         "one KV cache group of every layer: sliding-window layers keep their whole context's KV"
     ),
+    "distributed_executor_backend": (
+        "mp: workers are the core's processes (and --worker-address joins); ray: Ray places "
+        "each rank as an actor on a placement group's bundle (RAY_ADDRESS, else a local Ray)"
+    ),
+    "data_parallel_backend": (
+        "mp: engine cores are this frontend's processes; ray: each replica (core and workers) "
+        "is placed by Ray (needs --distributed-executor-backend ray)"
+    ),
+    "ray_placement_strategy": "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD: how Ray places ranks",
+    "ray_cpus_per_worker": "CPUs in a CPU worker's Ray bundle: its torch threads",
     "speculative_config": (
         'JSON, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N} '
         'or {"method": "suffix"} (None: no speculative decoding)'

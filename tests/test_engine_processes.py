@@ -410,8 +410,10 @@ def test_sigterm_of_the_core_exits_cleanly_without_leftovers():
             os.kill(core_pid, signal.SIGTERM)
             item = await last_item(queue)
             assert isinstance(item, EngineDeadError) and "stopped by SIGTERM" in str(item)
-            await wait_until(lambda: client._process.poll() is not None, 10, "the core exits")
-            assert client._process.returncode == 0
+            await wait_until(
+                lambda: client.core_process.process.poll() is not None, 10, "the core exits"
+            )
+            assert client.core_process.process.returncode == 0
             assert not is_alive(worker_pid)
             assert sorted(ipc_dir.iterdir()) == frontend_sockets  # the core left nothing
 
@@ -423,7 +425,7 @@ def test_a_core_that_cannot_start_fails_start_and_leaves_nothing():
         client = AsyncCoreClient(EngineConfig(model="null", num_gpu_blocks_override=2))
         with pytest.raises(EngineDeadError, match="cannot hold one request of max_model_len=4096"):
             await client.start()
-        assert client._process.poll() is not None
+        assert client.core_process.process.poll() is not None
         assert not Path(client.address.removeprefix("ipc://")).parent.exists()
 
     asyncio.run(scenario())

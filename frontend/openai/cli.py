@@ -108,6 +108,11 @@ def parse_args(
             f"--data-parallel-size {engine_config.data_parallel_size} launches its own engine "
             "cores; --frontend-address attaches to one core started separately"
         )
+    if args.frontend_address is not None and engine_config.data_parallel_backend == "ray":
+        parser.error(
+            "--data-parallel-backend ray has Ray place the engine cores; --frontend-address "
+            "attaches to one core started separately"
+        )
     settings = ServerSettings(
         served_model_name=args.served_model_name
         or engine_config.model
