@@ -90,19 +90,20 @@ class RejectionSampler:
         """`logits` [R, vocab] and `metadata` (R rows) hold request i's 1 + len(draft_token_ids[i])
         rows consecutively, in request order; all rows of a request share its generator and
         logprobs count. A request with no drafts is sampled exactly as `Sampler` samples it."""
-        layout = _DraftLayout.of(draft_token_ids)
-        num_rows = int(layout.num_drafts.sum()) + len(layout.num_drafts)
+        num_drafts = sum(len(drafts) for drafts in draft_token_ids)
+        num_rows = num_drafts + len(draft_token_ids)
         if logits.shape[0] != num_rows:
             raise ValueError(
-                f"{len(layout.num_drafts)} requests with {int(layout.num_drafts.sum())} drafts "
-                f"need {num_rows} logits rows, got {logits.shape[0]}"
+                f"{len(draft_token_ids)} requests with {num_drafts} drafts need {num_rows} "
+                f"logits rows, got {logits.shape[0]}"
             )
-        if not len(layout.draft_ids):
+        if num_drafts == 0:
             output = self.sampler(logits, metadata)
             return RejectionSamplerOutput(
                 token_ids=[[t] for t in output.sampled_token_ids.tolist()],
                 logprobs=[None if lp is None else [lp] for lp in output.logprobs],
             )
+        layout = _DraftLayout.of(draft_token_ids)
         logits = logits.float()
         raw_logprobs = raw_logprobs_if_needed(logits, metadata)
         logits = apply_logits_processors(logits, metadata)
