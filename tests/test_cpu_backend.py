@@ -83,6 +83,7 @@ def test_kernel_builds_where_a_compiler_exists():
         pytest.param([15, 16, 17], [2, 3, 4], id="short-chunks-block-pm1"),
         pytest.param([33, 26, 17], [2, 20, 1], id="short-and-long"),
         pytest.param([1, 70, 5, 130, 48, 300], [1, 30, 5, 1, 17, 4], id="mixed"),
+        pytest.param([40, 130, 17, 300, 9], [5, 2, 1, 4, 3], id="draft-verification"),
     ],
 )
 def test_lengths_match_naive(seq_lens, q_lens):
@@ -195,6 +196,7 @@ ATOL_BF16 = 2e-2
     [
         pytest.param([15, 16, 17], [1, 1, 1], id="decode-block-pm1"),
         pytest.param([1, 70, 5, 130, 48, 300], [1, 30, 5, 1, 17, 4], id="mixed"),
+        pytest.param([40, 130, 17, 300, 9], [5, 2, 1, 4, 3], id="draft-verification"),
     ],
 )
 def test_bfloat16_cache_runs_the_kernel_and_matches_naive(seq_lens, q_lens):

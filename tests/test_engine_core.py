@@ -200,6 +200,35 @@ def test_null_worker_samples_only_when_the_prompt_is_done_and_drops_finished_req
     assert worker.req_id_to_state == {}
 
 
+@pytest.mark.parametrize(
+    ("drafts", "expected_num_tokens"),
+    [
+        ([NULL_TOKEN_ID] * 3, 4),  # all accepted, plus the bonus token
+        ([NULL_TOKEN_ID, 7, NULL_TOKEN_ID], 2),  # the run ends at the first other token
+        ([7, NULL_TOKEN_ID], 1),
+    ],
+)
+def test_null_worker_verifies_drafts_as_a_greedy_model_that_always_says_null(
+    drafts, expected_num_tokens
+):
+    worker = NullWorker(EngineConfig(model="null", block_size=BLOCK_SIZE))
+    new_req = NewRequestData("a", [1, 2, 3], SamplingParams(logprobs=1), [[1, 2]], 0)
+    worker.execute_model(SchedulerOutput([new_req], [], {"a": 3}, total_num_scheduled_tokens=3))
+    num_scheduled = 1 + len(drafts)
+    verify = SchedulerOutput(
+        [],
+        [CachedRequestData("a", 3, new_token_ids=[NULL_TOKEN_ID])],
+        {"a": num_scheduled},
+        total_num_scheduled_tokens=num_scheduled,
+        scheduled_spec_decode_tokens={"a": drafts},
+    )
+    output = worker.execute_model(verify)
+    assert output.sampled_token_ids == [[NULL_TOKEN_ID] * expected_num_tokens]
+    assert [entry.top_token_ids for entry in output.logprobs[0]] == [
+        [NULL_TOKEN_ID]
+    ] * expected_num_tokens
+
+
 def test_null_worker_reports_enough_blocks_for_every_sequence_at_full_length():
     worker = NullWorker(
         EngineConfig(model="null", block_size=16, max_model_len=100, max_num_seqs=3)

@@ -154,3 +154,47 @@ def test_a_token_that_would_complete_a_bad_word_is_banned():
     # The prompt does not count: only generated tokens can start a bad word.
     prompt_row = batch.add_request(make_state("b", [5], [2], bad_words_token_ids=[[5, 6]]))
     assert batch.sampling_metadata(np.array([prompt_row])).banned_token_ids == {}
+
+
+def test_each_verified_position_sees_the_history_extended_by_the_drafts_before_it():
+    """Row j of a request verifying drafts gets exactly the metadata of a request whose history
+    already holds d_1..d_j: penalty counts, min_tokens' count, bad-word prefixes."""
+    params = dict(
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        min_tokens=3,
+        stop_token_ids=[9],
+        bad_words_token_ids=[[5, 6], [6, 5, 7]],
+    )
+    prompt, output, drafts = [1, 2], [4], [5, 6, 5]
+    spec = make_batch(max_model_len=32)
+    row = spec.add_request(make_state("a", prompt, [1], **params))
+    spec.append_token_ids(row, output)
+    spec.set_draft_token_ids({"a": drafts})
+    assert spec.draft_token_ids(row) == drafts and int(spec.num_tokens[row]) == 3
+    verified = spec.sampling_metadata(np.array([row] * 4), num_draft_prefix=np.arange(4))
+    for j in range(4):
+        one_at_a_time = make_batch(max_model_len=32)
+        plain_row = one_at_a_time.add_request(make_state("a", prompt, [1], **params))
+        one_at_a_time.append_token_ids(plain_row, output + drafts[:j])
+        expected = one_at_a_time.sampling_metadata(np.array([plain_row]))
+        assert verified.banned_token_ids.get(j) == expected.banned_token_ids.get(0), j
+        got, want = verified.penalties[j], expected.penalties[0]
+        assert got.output_token_ids.tolist() == want.output_token_ids.tolist(), j
+        assert got.prompt_token_ids.tolist() == want.prompt_token_ids.tolist() == prompt
+    # Spot checks of what that means: min_tokens lifts its ban once d_2 makes 3 outputs; the
+    # bad word [5, 6] is banned after d_1 = 5, [6, 5, 7] after d_2 d_3 = 6 5.
+    assert verified.banned_token_ids == {0: [9, 2], 1: [9, 2, 6], 3: [6, 7]}
+
+
+def test_drafts_are_cleared_by_the_next_step_and_bounded_by_max_model_len():
+    batch = make_batch(max_model_len=8)
+    row = batch.add_request(make_state("a", [1, 2, 3, 4, 5], [1]))
+    batch.set_draft_token_ids({"a": [6, 7, 8]})
+    assert batch.num_draft_tokens[row] == 3
+    batch.set_draft_token_ids({})
+    assert batch.num_draft_tokens[row] == 0 and batch.draft_token_ids(row) == []
+    with pytest.raises(ValueError, match="'a' with 4 drafts would reach 9 tokens, more than "):
+        batch.set_draft_token_ids({"a": [6, 7, 8, 9]})
+    with pytest.raises(ValueError, match="drafts for request 'ghost', which is not scheduled"):
+        batch.set_draft_token_ids({"ghost": [1]})

@@ -67,6 +67,7 @@ def launched(loader: EmulatedLoader) -> set[str]:
         pytest.param([15, 16, 17], [15, 16, 17], id="prefill-block-pm1"),
         pytest.param([33, 16, 17, 70], [2, 16, 1, 1], id="chunked-and-decode"),
         pytest.param([5, 0, 9], [0, 0, 9], id="requests-without-tokens"),
+        pytest.param([40, 130, 17, 300, 9], [5, 2, 1, 4, 3], id="draft-verification"),
     ],
 )
 def test_lengths(loader, seq_lens, q_lens):
@@ -102,6 +103,26 @@ def test_mixed_batch_runs_prefill_and_decode_kernels(loader):
     case = make_case([3, 40], [3, 1], 4, 2, 64)
     assert_close_to_reference(case, attend(case))
     assert {"prefill_attention<float, 64>", "decode_attention<float, 64, 2>"} <= launched(loader)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "prefill_kernel"),
+    [
+        (torch.float32, "prefill_attention<float, 64>"),
+        (torch.bfloat16, "prefill_attention_tc<bf16_t, 64>"),
+    ],
+)
+def test_draft_verification_queries_run_on_the_prefill_kernel_beside_decodes(
+    loader, dtype, prefill_kernel
+):
+    """Speculative decoding's K + 1 query tokens over a long context are a short chunk: the
+    prefill kernel takes them (bottom-right causal over several key tiles), the decode kernel
+    the one-token requests of the same step."""
+    case = make_case([40, 130, 17, 300, 9], [5, 2, 1, 4, 3], 8, 2, 64, dtype=dtype)
+    assert_close_to_reference(case, attend(case))
+    launched_kernels = launched(loader)
+    assert prefill_kernel in launched_kernels
+    assert any(name.startswith("decode_attention") for name in launched_kernels)
 
 
 @pytest.mark.parametrize("group_size", [1, 3, 4, 7, 8, 12])

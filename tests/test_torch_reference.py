@@ -42,6 +42,7 @@ def assert_matches_naive(case, out: torch.Tensor, atol: float = ATOL_FP32) -> No
         pytest.param([15, 16, 17], [15, 16, 17], id="prefill-block-pm1"),
         pytest.param([33, 16, 17], [2, 16, 1], id="chunked-block-pm1"),
         pytest.param([1, 70, 5, 130, 48], [1, 30, 5, 1, 17], id="mixed"),
+        pytest.param([40, 130, 17, 300, 9], [5, 2, 1, 4, 3], id="draft-verification"),
     ],
 )
 def test_lengths_match_naive(seq_lens, q_lens):

@@ -42,7 +42,10 @@ class InputBatch:
     Invariants: `req_ids[row]` is None iff the row is a hole; `req_id_to_row` maps each occupied
     row's id to its row; after `condense()` rows `0..num_reqs-1` are exactly the occupied ones.
     `token_ids[row, :num_tokens[row]]` is the request's prompt followed by its output tokens;
-    `num_prompt_tokens[row] <= num_tokens[row] <= max_model_len`.
+    `num_prompt_tokens[row] <= num_tokens[row] <= max_model_len`. The draft tokens a row verifies
+    this step (`set_draft_token_ids`, after `condense`) follow its history:
+    `token_ids[row, num_tokens[row] : num_tokens[row] + num_draft_tokens[row]]`; they are not
+    part of it, and the next step's `set_draft_token_ids` clears them.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_draft_tokens = np.zeros(max_num_reqs, dtype=np.int32)
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -137,10 +141,44 @@ class InputBatch:
         self.token_ids[row, start:end] = token_ids
         self.num_tokens[row] = end
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling parameters of `rows` (in that order) as device tensors for the Sampler."""
+    def set_draft_token_ids(self, req_id_to_draft_token_ids: dict[str, list[int]]) -> None:
+        """This step's drafts (speculative decoding), placed after each request's history;
+        every other row has none. Raises for a request not in the batch, or drafts that would
+        reach past max_model_len."""
+        self.num_draft_tokens[:] = 0
+        for req_id, draft_token_ids in req_id_to_draft_token_ids.items():
+            row = self.req_id_to_row.get(req_id)
+            if row is None:
+                raise ValueError(f"drafts for request {req_id!r}, which is not scheduled")
+            start = int(self.num_tokens[row])
+            end = start + len(draft_token_ids)
+            if end > self.max_model_len:
+                raise ValueError(
+                    f"request {req_id!r} with {len(draft_token_ids)} drafts would reach "
+                    f"{end} tokens, more than max_model_len={self.max_model_len}"
+                )
+            self.token_ids[row, start:end] = draft_token_ids
+            self.num_draft_tokens[row] = len(draft_token_ids)
+
+    def draft_token_ids(self, row: int) -> list[int]:
+        start = int(self.num_tokens[row])
+        return self.token_ids[row, start : start + self.num_draft_tokens[row]].tolist()
+
+    def sampling_metadata(
+        self, rows: np.ndarray, num_draft_prefix: np.ndarray | None = None
+    ) -> SamplingMetadata:
+        """Sampling parameters of `rows` (in that order) as device tensors for the Sampler.
+
+        With `num_draft_prefix`, entry i describes the position after row `rows[i]`'s history
+        extended by its first `num_draft_prefix[i]` drafts: penalties count those drafts as
+        output, min_tokens counts them, bad words may end in them. A row may appear several
+        times (once per position it verifies)."""
         row_list = rows.tolist()
         params = [self.sampling_params[row] for row in row_list]
+        history = self.num_tokens[rows].astype(np.int64)
+        if num_draft_prefix is not None:
+            history = history + num_draft_prefix
+        history_list = history.tolist()
         return SamplingMetadata(
             temperature=self._to_device(self.temperature[rows]),
             top_k=self._to_device(self.top_k[rows]),
@@ -150,21 +188,22 @@ class InputBatch:
                 i: self.generators[row] for i, row in enumerate(row_list) if row in self.generators
             },
             num_logprobs=[p.logprobs if p is not None else None for p in params],
-            banned_token_ids=self._banned_token_ids(row_list, params),
+            banned_token_ids=self._banned_token_ids(row_list, params, history_list),
             logit_bias={
                 i: (list(p.logit_bias), list(p.logit_bias.values()))
                 for i, p in enumerate(params)
                 if p is not None and p.logit_bias
             },
             penalties={
-                i: self._row_penalties(row, p)
+                i: self._row_penalties(row, p, history_list[i])
                 for i, (row, p) in enumerate(zip(row_list, params, strict=True))
                 if p is not None and p.has_penalties
             },
         )
 
-    def _row_penalties(self, row: int, params: SamplingParams) -> RowPenalties:
-        num_prompt_tokens, num_tokens = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
+    def _row_penalties(self, row: int, params: SamplingParams, num_tokens: int) -> RowPenalties:
+        """Penalties over the row's first `num_tokens` tokens (history, maybe some drafts)."""
+        num_prompt_tokens = int(self.num_prompt_tokens[row])
         token_ids = self.token_ids[row]
         return RowPenalties(
             presence=params.presence_penalty,
@@ -177,22 +216,22 @@ class InputBatch:
         )
 
     def _banned_token_ids(
-        self, rows: list[int], params: list[SamplingParams | None]
+        self, rows: list[int], params: list[SamplingParams | None], num_tokens: list[int]
     ) -> dict[int, list[int]]:
         """Stop tokens while a request has fewer than min_tokens outputs, and every token that
-        would complete one of its bad words."""
+        would complete one of its bad words, after row i's first `num_tokens[i]` tokens."""
         banned: dict[int, list[int]] = {}
-        for i, (row, p) in enumerate(zip(rows, params, strict=True)):
+        for i, (row, p, end) in enumerate(zip(rows, params, num_tokens, strict=True)):
             if p is None or (p.min_tokens == 0 and not p.bad_words_token_ids):
                 continue  # the common case costs no array arithmetic
-            num_output_tokens = int(self.num_tokens[row] - self.num_prompt_tokens[row])
+            num_output_tokens = end - int(self.num_prompt_tokens[row])
             row_banned = []
             if num_output_tokens < p.min_tokens:
                 row_banned.extend(p.stop_token_ids)
                 if not p.ignore_eos:
                     row_banned.extend(self.eos_token_ids)
             if p.bad_words_token_ids:
-                output = self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
+                output = self.token_ids[row, self.num_prompt_tokens[row] : end]
                 row_banned.extend(_bad_word_endings(p.bad_words_token_ids, output))
             if row_banned:
                 banned[i] = row_banned

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from common.kv_cache_groups import KVCacheGroup
-from common.math_utils import cdiv
+from common.math_utils import cdiv, concatenated_ranges
 from kernels import AttentionMetadata
 from proto import (
     CachedRequestData,
@@ -20,6 +20,7 @@ from proto import (
     TokenLogprobs,
 )
 from worker.input_batch import CachedRequestState, InputBatch
+from worker.rejection_sampler import RejectionSampler
 from worker.sampler import Sampler, SamplingMetadata
 from worker.structured_outputs import StructuredOutputManager
 
@@ -56,8 +57,10 @@ class StepInputs:
     """Device inputs of one forward pass over T scheduled tokens of B batch rows.
 
     `sample_rows` (host, ascending) are the batch rows whose scheduled range reaches the end of
-    their tokens, so they sample this step; `logits_indices[i]` is the last scheduled token of
-    `sample_rows[i]`.
+    their tokens (and of their drafts), so they sample this step. A sample row verifying K
+    drafts has K + 1 entries in `logits_indices`, its last K + 1 scheduled tokens (the last
+    token of its history, then its drafts but the last); any other sample row has one, its
+    last scheduled token. Entries are in `sample_rows` order.
     """
 
     input_ids: torch.Tensor
@@ -66,6 +69,7 @@ class StepInputs:
     sample_rows: np.ndarray
     logits_indices: torch.Tensor
     num_scheduled: np.ndarray  # int64 [B]: tokens of each row this step
+    num_draft_tokens: np.ndarray  # int64 [B]: drafts each row verifies this step
     first_token: np.ndarray  # int64 [B]: index of each row's first token among the T
 
 
@@ -113,6 +117,7 @@ class ModelRunner:
             num_kv_cache_groups=max(len(kv_cache_groups), 1),
         )
         self.sampler = Sampler(device, seed=seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
 
     def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
@@ -194,6 +199,7 @@ class ModelRunner:
         for cached_req in scheduler_output.scheduled_cached_reqs:
             self._update_cached_request(cached_req)
         batch.condense()
+        batch.set_draft_token_ids(scheduler_output.scheduled_spec_decode_tokens)
 
     def _add_new_request(self, new_req: NewRequestData) -> None:
         """A new request replaces any state still held under its id."""
@@ -256,7 +262,10 @@ class ModelRunner:
         cu_num_scheduled = np.cumsum(num_scheduled)
         req_rows, positions = self._token_rows_and_positions(num_scheduled, cu_num_scheduled)
         seq_lens = batch.num_computed_tokens[:num_reqs] + num_scheduled
-        self._check_scheduled_tokens_exist(seq_lens, batch.num_tokens[:num_reqs])
+        num_drafts = batch.num_draft_tokens[:num_reqs].astype(np.int64)
+        num_tokens_with_drafts = batch.num_tokens[:num_reqs] + num_drafts
+        self._check_scheduled_tokens_exist(seq_lens, num_tokens_with_drafts)
+        self._check_drafts_are_verified(seq_lens, num_tokens_with_drafts, num_scheduled)
         seq_lens_device = self._to_device(seq_lens.astype(np.int32))
         query_start_loc = self._to_device(np.concatenate([[0], cu_num_scheduled]).astype(np.int32))
         group_metadata = [
@@ -274,16 +283,18 @@ class ModelRunner:
             metadata: StepMetadata = group_metadata[0]
         else:
             metadata = [group_metadata[group] for group in self.layer_to_group]
-        sample_rows = np.flatnonzero(
-            (seq_lens == batch.num_tokens[:num_reqs]) & (num_scheduled > 0)
-        )
+        sample_rows = np.flatnonzero((seq_lens == num_tokens_with_drafts) & (num_scheduled > 0))
+        num_verified = num_drafts[sample_rows] + 1
+        logits_indices = np.repeat(cu_num_scheduled[sample_rows] - num_verified, num_verified)
+        logits_indices += concatenated_ranges(num_verified)
         return StepInputs(
             input_ids=self._to_device(batch.token_ids[req_rows, positions].astype(np.int64)),
             positions=self._to_device(positions),
             metadata=metadata,
             sample_rows=sample_rows,
-            logits_indices=self._to_device(cu_num_scheduled[sample_rows] - 1),
+            logits_indices=self._to_device(logits_indices),
             num_scheduled=num_scheduled,
+            num_draft_tokens=num_drafts,
             first_token=cu_num_scheduled - num_scheduled,
         )
 
@@ -300,27 +311,39 @@ class ModelRunner:
         return req_rows, num_computed[req_rows].astype(np.int64) + offsets
 
     def _sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+        """Samples every sample row, verifying its drafts if it has any: one logits row per
+        verified position, each with the sampling metadata and grammar mask of the history
+        extended by the drafts before it."""
         batch = self.input_batch
         req_ids = [r for r in batch.req_ids[: batch.num_reqs] if r is not None]
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         if len(inputs.sample_rows) == 0:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        sample_rows = inputs.sample_rows.tolist()
+        draft_token_ids = (
+            [batch.draft_token_ids(row) for row in sample_rows]
+            if inputs.num_draft_tokens.any()
+            else [[]] * len(sample_rows)
+        )
         request_errors = {}
         if self.structured_outputs is not None and self.structured_outputs.requests:
-            sample_req_ids = [batch.req_ids[row] for row in inputs.sample_rows.tolist()]
-            request_errors = self.structured_outputs.mask_logits(logits, sample_req_ids)
-        metadata = batch.sampling_metadata(inputs.sample_rows)
-        output = self.sampler(logits, metadata)
+            request_errors = self.structured_outputs.mask_logits(
+                logits, [batch.req_ids[row] for row in sample_rows], draft_token_ids
+            )
+        num_verified = inputs.num_draft_tokens[inputs.sample_rows] + 1
+        metadata = batch.sampling_metadata(
+            np.repeat(inputs.sample_rows, num_verified),
+            num_draft_prefix=concatenated_ranges(num_verified),
+        )
+        output = self.rejection_sampler(logits, metadata, draft_token_ids)
         logprobs: list | None = None
-        if any(n is not None for n in metadata.num_logprobs):
+        if any(entries is not None for entries in output.logprobs):
             logprobs = [None] * len(req_ids)
-        for i, (row, token_id) in enumerate(
-            zip(inputs.sample_rows.tolist(), output.sampled_token_ids.tolist(), strict=True)
-        ):
-            sampled_token_ids[row] = [token_id]
-            if logprobs is not None and output.logprobs[i] is not None:
-                logprobs[row] = [output.logprobs[i]]
+        for i, row in enumerate(sample_rows):
+            sampled_token_ids[row] = output.token_ids[i]
+            if logprobs is not None:
+                logprobs[row] = output.logprobs[i]
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled_token_ids,
@@ -412,6 +435,25 @@ class ModelRunner:
             raise ValueError(
                 f"request {self.input_batch.req_ids[row]!r} is scheduled up to token "
                 f"{int(seq_lens[row])} but holds only {int(num_tokens[row])} tokens"
+            )
+
+    def _check_drafts_are_verified(
+        self, seq_lens: np.ndarray, num_tokens_with_drafts: np.ndarray, num_scheduled: np.ndarray
+    ) -> None:
+        """A request with K drafts must be scheduled through its last draft, from at most its
+        last history token on: its K + 1 verified positions all run this step."""
+        num_drafts = self.input_batch.num_draft_tokens[: len(seq_lens)]
+        bad = np.flatnonzero(
+            (num_drafts > 0)
+            & ((seq_lens != num_tokens_with_drafts) | (num_scheduled < num_drafts + 1))
+        )
+        if len(bad):
+            row = int(bad[0])
+            raise ValueError(
+                f"request {self.input_batch.req_ids[row]!r} verifies {int(num_drafts[row])} "
+                f"drafts, so it must be scheduled for at least {int(num_drafts[row]) + 1} tokens "
+                f"ending at token {int(num_tokens_with_drafts[row])}; it is scheduled for "
+                f"{int(num_scheduled[row])} ending at token {int(seq_lens[row])}"
             )
 
     def _structured_outputs(self) -> StructuredOutputManager:

@@ -2,7 +2,9 @@
 
 It tracks just enough per-request state to know when a request has finished its prompt, and then
 samples `NULL_TOKEN_ID` once per step. It never samples an eos token, so requests stop on
-`max_tokens`, `max_model_len`, `stop_token_ids` or abort.
+`max_tokens`, `max_model_len`, `stop_token_ids` or abort. With draft tokens it is a greedy
+verifier whose target is always `NULL_TOKEN_ID`: it accepts the leading drafts equal to it, then
+samples it once more, so speculation never changes its output.
 """
 
 from __future__ import annotations
@@ -97,14 +99,26 @@ class NullWorker:
             done_prompt = (
                 num_computed + scheduler_output.num_scheduled_tokens[req_id] >= state.num_tokens
             )
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            sampled = _verify_null_drafts(drafts) if done_prompt else []
             output.req_ids.append(req_id)
-            output.sampled_token_ids.append([NULL_TOKEN_ID] if done_prompt else [])
+            output.sampled_token_ids.append(sampled)
             wants_logprobs = done_prompt and state.num_logprobs is not None
             any_logprobs |= wants_logprobs
-            logprobs.append([_null_logprobs(state.num_logprobs)] if wants_logprobs else None)
+            logprobs.append(
+                [_null_logprobs(state.num_logprobs)] * len(sampled) if wants_logprobs else None
+            )
         if any_logprobs:
             output.logprobs = logprobs
         return output
+
+
+def _verify_null_drafts(draft_token_ids: list[int]) -> list[int]:
+    """The leading drafts equal to NULL_TOKEN_ID, then NULL_TOKEN_ID."""
+    num_accepted = 0
+    while num_accepted < len(draft_token_ids) and draft_token_ids[num_accepted] == NULL_TOKEN_ID:
+        num_accepted += 1
+    return [NULL_TOKEN_ID] * (num_accepted + 1)
 
 
 def _null_logprobs(num_logprobs: int) -> TokenLogprobs:

@@ -75,45 +75,69 @@ class Sampler:
     """
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self._device = device
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = _log_softmax_if_needed(logits, metadata)
-        if metadata.logit_bias or metadata.penalties:
-            logits = logits.clone()
-            _add_logit_bias(logits, metadata.logit_bias)
-            _apply_penalties(logits, metadata.penalties)
-        logits = _mask_banned(logits, metadata.banned_token_ids)
+        raw_logprobs = raw_logprobs_if_needed(logits, metadata)
+        logits = apply_logits_processors(logits, metadata)
         sampled = logits.argmax(dim=-1)
         is_greedy = metadata.temperature == 0.0
         if not bool(is_greedy.all()):
-            random_sampled = self._sample_random(logits, metadata)
+            random_sampled = self.random_sample(target_probs(logits, metadata), metadata.generators)
             sampled = torch.where(is_greedy, sampled, random_sampled)
-        logprobs = _gather_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
+        logprobs = gather_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(metadata.temperature == 0.0, 1.0, metadata.temperature)
-        logits = logits / temperature[:, None]
-        logits = _apply_min_p(logits, metadata.min_p)
-        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        return self._exponential_race(probs, metadata.generators)
-
-    def _exponential_race(
+    def random_sample(
         self, probs: torch.Tensor, generators: dict[int, torch.Generator]
     ) -> torch.Tensor:
-        """argmax(probs / q) with q ~ Exp(1) samples from probs (the Gumbel-max trick)."""
+        """One token per row of `probs` [N, vocab] (non-negative, not necessarily normalised),
+        drawn with probability proportional to its entry: argmax(probs / q) with q ~ Exp(1)
+        (the Gumbel-max trick). Row i draws from `generators[i]` when given, else from the
+        sampler's own generator."""
         q = torch.empty_like(probs).exponential_(generator=self._generator)
         for row, generator in generators.items():
             q[row].exponential_(generator=generator)
         q.clamp_min_(_MIN_EXPONENTIAL)
         return (probs / q).argmax(dim=-1)
 
+    def uniform(
+        self, num_values: int, generator_spans: dict[tuple[int, int], torch.Generator]
+    ) -> torch.Tensor:
+        """float32 [num_values] uniform in [0, 1); values `start:end` of each span in
+        `generator_spans` come from that span's generator, the others from the sampler's own."""
+        u = torch.rand(num_values, generator=self._generator, device=self._device)
+        for (start, end), generator in generator_spans.items():
+            u[start:end] = torch.rand(end - start, generator=generator, device=self._device)
+        return u
 
-def _log_softmax_if_needed(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+
+def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """float32 logits with each row's logit bias added, penalties applied and banned tokens at
+    -inf (a new tensor when anything changes; `logits` itself is never written). Greedy rows
+    take the argmax of this."""
+    if metadata.logit_bias or metadata.penalties:
+        logits = logits.clone()
+        _add_logit_bias(logits, metadata.logit_bias)
+        _apply_penalties(logits, metadata.penalties)
+    return _mask_banned(logits, metadata.banned_token_ids)
+
+
+def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row samples from, given `apply_logits_processors`' output:
+    softmax after temperature (greedy rows: 1), min-p, top-k and top-p."""
+    temperature = torch.where(metadata.temperature == 0.0, 1.0, metadata.temperature)
+    logits = logits / temperature[:, None]
+    logits = _apply_min_p(logits, metadata.min_p)
+    logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def raw_logprobs_if_needed(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+    """log_softmax of the logits as given, when any row asked for logprobs."""
     if all(n is None for n in metadata.num_logprobs):
         return None
     return torch.log_softmax(logits, dim=-1)
@@ -206,9 +230,11 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor | None, sampled: torch.Tensor, num_logprobs: list[int | None]
 ) -> list[TokenLogprobs | None]:
+    """Row i's logprob and rank of `sampled[i]` and its `num_logprobs[i]` best alternatives,
+    from `logprobs` [N, vocab]; None for rows that asked for none (all, when `logprobs` is)."""
     if logprobs is None:
         return [None] * int(sampled.shape[0])
     max_num = max(n for n in num_logprobs if n is not None)

@@ -26,6 +26,12 @@ disallowed token become -inf, for all constrained rows of the step at once. The 
 advances with the tokens the scheduler sends back (`CachedRequestData.new_token_ids`), which
 are the tokens every rank holds, so every tensor-parallel rank masks alike.
 
+A request verifying draft tokens (speculative decoding) gets one masked row per verified
+position: the matcher advances through the drafts while the grammar accepts them, masks each
+position, and is rolled back over them at once, so that it still advances only with the tokens
+the scheduler sends back (which may be fewer than the worker returned: a stop inside the
+accepted run). A draft the grammar refuses is masked out where it stands, so it is rejected.
+
 Once the grammar is complete only the model's eos ids are allowed. A matcher that refuses a token
 (which masking prevents; a logit bias of -100 on every allowed token is one way to force it) stops
 constraining that request, with a warning, instead of failing the step.
@@ -33,7 +39,6 @@ constraining that request, with a warning, instead of failing the step.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -145,14 +150,26 @@ class StructuredOutputManager:
                 self.remove_request(req_id)
                 return
 
-    def mask_logits(self, logits: torch.Tensor, req_ids: Sequence[str]) -> dict[str, str]:
-        """Sets to -inf, in place, every logit the grammar of row i's request (`req_ids[i]`)
-        forbids; rows of unconstrained requests are left alone. Returns the requests whose
-        grammar did not compile, with the reason (they are dropped here; their row is not
-        masked, and the caller reports them so that the scheduler fails them)."""
+    def mask_logits(
+        self,
+        logits: torch.Tensor,
+        req_ids: Sequence[str],
+        draft_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> dict[str, str]:
+        """Sets to -inf, in place, every logit the grammar of a constrained request forbids;
+        rows of unconstrained requests are left alone. Request i (`req_ids[i]`) owns
+        1 + len(draft_token_ids[i]) consecutive rows (one without drafts): row j is masked by
+        its grammar's state after drafts d_1..d_j (see `_fill_draft_rows`), and the matcher
+        ends where it began. Returns the requests whose grammar did not compile, with the
+        reason (they are dropped here; their rows are not masked, and the caller reports them
+        so that the scheduler fails them)."""
+        if draft_token_ids is None:
+            draft_token_ids = [()] * len(req_ids)
         errors: dict[str, str] = {}
-        rows = []
-        for row, req_id in enumerate(req_ids):
+        row_starts, num_rows, constrained = [], 0, []
+        for i, req_id in enumerate(req_ids):
+            row_starts.append(num_rows)
+            num_rows += 1 + len(draft_token_ids[i])
             if req_id not in self.requests:
                 continue
             try:
@@ -162,15 +179,18 @@ class StructuredOutputManager:
                 self.remove_request(req_id)
                 continue
             if req_id in self.requests:  # still constrained after replaying its tokens
-                rows.append(row)
-        if rows:
+                constrained.append(i)
+        if constrained:
             xgr = xgrammar()
-            bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)
-            for row in rows:
-                self.requests[req_ids[row]].matcher.fill_next_token_bitmask(bitmask, row)
-            xgr.apply_token_bitmask_inplace(
-                logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows
-            )
+            bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+            rows: list[int] = []
+            for i in constrained:
+                matcher = self.requests[req_ids[i]].matcher
+                rows += _fill_draft_rows(matcher, bitmask, row_starts[i], draft_token_ids[i])
+            if rows:
+                xgr.apply_token_bitmask_inplace(
+                    logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows
+                )
         return errors
 
     def _ensure_matcher(self, req_id: str) -> None:
@@ -213,14 +233,41 @@ class StructuredOutputManager:
                 stop_token_ids=self.eos_token_ids,
             )
         tokenizer_json = read_json(self.model_path / TOKENIZER_FILE_NAME)
+        # {"vocab_type": VocabType, "add_prefix_space": bool} (an enum: not JSON metadata)
         metadata = xgr.TokenizerInfo._detect_metadata_from_hf(
             (self.model_path / TOKENIZER_FILE_NAME).read_text(encoding="utf-8")
         )
-        metadata["vocab_size"] = self.vocab_size
-        metadata["stop_token_ids"] = self.eos_token_ids
-        return xgr.TokenizerInfo.from_vocab_and_metadata(
-            _encoded_vocab(tokenizer_json, self.vocab_size), json.dumps(metadata)
+        return xgr.TokenizerInfo(
+            _encoded_vocab(tokenizer_json, self.vocab_size),
+            metadata["vocab_type"],
+            vocab_size=self.vocab_size,
+            stop_token_ids=self.eos_token_ids,
+            add_prefix_space=metadata["add_prefix_space"],
         )
+
+
+def _fill_draft_rows(
+    matcher: Any, bitmask: torch.Tensor, first_row: int, draft_token_ids: Sequence[int]
+) -> list[int]:
+    """Fills `bitmask` row `first_row + j` with the matcher's mask after drafts d_1..d_j, for as
+    long as the grammar accepts the drafts, then rolls the matcher back over the drafts it
+    accepted. Returns the rows filled. A draft the grammar refuses is masked out at its own row,
+    so it is rejected there and the rows after it are never used: they are left unmasked. So
+    are rows after the grammar has terminated (an eos under ignore_eos): nothing is left to
+    constrain, and xgrammar has no mask to give."""
+    rows = []
+    num_advanced = 0
+    for j in range(len(draft_token_ids) + 1):
+        if matcher.is_terminated():
+            break
+        rows.append(first_row + j)
+        matcher.fill_next_token_bitmask(bitmask, first_row + j)
+        if j == len(draft_token_ids) or not matcher.accept_token(draft_token_ids[j]):
+            break
+        num_advanced += 1
+    if num_advanced:
+        matcher.rollback(num_advanced)
+    return rows
 
 
 def _encoded_vocab(tokenizer_json: dict, vocab_size: int) -> list[str]:
