@@ -9,6 +9,8 @@ from common.math_utils import cdiv
 from core.kv_cache_events import KVCacheEventLog
 from core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from core.kv_cache_spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from core.kv_connector.external_kv_requests import ExternalKVRequests
+from core.kv_connector.kv_connector_base import KVConnectorBase
 from core.request import Request, RequestStatus
 from core.request_queue import create_request_queue
 from core.scheduler_config import SchedulerConfig
@@ -22,6 +24,7 @@ from proto import (
     SchedulerOutput,
     SchedulerStats,
 )
+from proto.kv_transfer import KVConnectorOutput
 from proto.sampling_params import StructuredOutputs
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -57,10 +60,17 @@ class Scheduler:
 
     `kv_cache_config` gives the KV cache groups of a hybrid model (one full-attention group
     otherwise); the workers get every group's block ids.
+
+    `connector` (see `core.kv_connector.kv_connector_base`) extends a waiting request's prefix
+    hit with tokens from beyond the pool; while they load the request waits in
+    WAITING_FOR_REMOTE_KVS (`external_kv`), and the other requests keep stepping.
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache_config: KVCacheConfig | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache_config: KVCacheConfig | None = None,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
@@ -74,6 +84,8 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
             kv_cache_config=kv_cache_config,
         )
+        self.connector = connector
+        self.external_kv = ExternalKVRequests(self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -136,6 +148,7 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in running_ids]
         for request in to_finish:
             self.waiting_for_fsm.pop(request.request_id, None)
+            self.external_kv.remove(request.request_id)
         queued = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.waiting.remove_requests(r for r in to_finish if r.status in queued)
         for request in to_finish:
@@ -143,7 +156,11 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        if self.connector is not None and self.connector.request_finished(request, block_ids)[0]:
+            self.external_kv.hold_for_sending(request)
+        else:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         self._num_tokens_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
@@ -170,7 +187,8 @@ class Scheduler:
                 self.waiting.add_request_in_arrival_order(request)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_fsm) + len(self.running)
+        num_waiting = len(self.waiting) + len(self.waiting_for_fsm) + len(self.external_kv)
+        return num_waiting + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -201,6 +219,8 @@ class Scheduler:
         if not plan.preempted_reqs:
             self._schedule_waiting(plan)
         output = self._make_scheduler_output(plan)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         self.num_steps += 1
@@ -291,31 +311,51 @@ class Scheduler:
         return request.sampling_params.prompt_logprobs is None
 
     def _computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Prefix-cache hits, for a request that reads the prefix cache."""
-        if not self._reads_prefix_cache(request):
+        """Prefix-cache hits, for a request that reads the prefix cache and has computed
+        nothing (one back from WAITING_FOR_REMOTE_KVS holds its blocks already)."""
+        if not self._reads_prefix_cache(request) or request.num_computed_tokens > 0:
             return self.kv_cache_manager.empty_blocks(), 0
         return self.kv_cache_manager.get_computed_blocks(request)
+
+    def _external_computed_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+        """Tokens after the local hit the KV connector provides, and whether they load
+        asynchronously (the request then waits for them)."""
+        if self.connector is None or request.num_computed_tokens > 0:
+            return 0, False
+        if not self._reads_prefix_cache(request):
+            return 0, False
+        return self.connector.get_num_new_matched_tokens(request, num_local)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek_request()
-            computed_blocks, num_computed_tokens = self._computed_blocks(request)
+            computed_blocks, num_local = self._computed_blocks(request)
+            num_external, load_async = self._external_computed_tokens(request, num_local)
+            num_computed_tokens = request.num_computed_tokens + num_local + num_external
             num_new_tokens = self._num_tokens_to_schedule(
                 request, num_computed_tokens, plan.token_budget
             )
-            if not self._may_start(request, num_computed_tokens, num_new_tokens):
+            if load_async:
+                num_new_tokens = 0  # it only takes blocks for the tokens it waits for
+            elif not self._may_start(request, num_computed_tokens, num_new_tokens):
                 break
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_computed_tokens, computed_blocks
+                request, num_new_tokens, num_local, computed_blocks, 0, num_external, load_async
             )
             if new_blocks is None:
                 break
             # Counted on admission only: a request looked up again each step it waits counts once.
-            if self._reads_prefix_cache(request):
-                self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
+            if request.num_computed_tokens == 0 and self._reads_prefix_cache(request):
+                self.kv_cache_manager.record_prefix_cache_stats(request, num_local)
+                if self.connector is not None:
+                    blocks = self.kv_cache_manager.get_blocks(request.request_id)
+                    self.connector.update_state_after_alloc(request, blocks, num_external)
             self.waiting.pop_request()
+            if load_async:
+                self.external_kv.park(request, num_computed_tokens)
+                continue
             self.running.append(request)
             if request.status == RequestStatus.PREEMPTED:
                 plan.resumed_reqs.append(request)
@@ -385,6 +425,7 @@ class Scheduler:
         to compile among them); those in `grammars_ready` leave WAITING_FOR_FSM for `waiting`.
         """
         outputs = []
+        self._update_from_kv_connector_output(model_runner_output.kv_connector_output)
         for request_id, message in model_runner_output.request_errors.items():
             if request_id in self.requests:
                 self.finish_requests(request_id, RequestStatus.FINISHED_IGNORED)
@@ -426,6 +467,16 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
+    def _update_from_kv_connector_output(self, output: KVConnectorOutput | None) -> None:
+        """Requests whose KV loaded (or failed to) go back to the waiting queue; blocks the
+        connector has sent are freed."""
+        if self.connector is None or output is None:
+            return
+        self.connector.update_connector_output(output)
+        for request in self.external_kv.finish_loads(output):
+            self.waiting.add_request_in_arrival_order(request)
+        self.external_kv.release_sent(output.finished_sending)
+
     def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
         new_token_ids = []
         for token_id in sampled_token_ids:
@@ -464,7 +515,7 @@ class Scheduler:
         prefix_stats = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm) + len(self.external_kv),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits,
@@ -476,6 +527,7 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
+            **(self.connector.stats_fields() if self.connector is not None else {}),
         )
 
 
