@@ -55,6 +55,12 @@ WORKLOAD_COUNTERS = (
     "prefix_cache_preempted_hits",
     "num_prompt_tokens",
     "num_generation_tokens",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "kv_offload_loaded_bytes",
+    "kv_offload_stored_bytes",
+    "kv_offload_load_s",
+    "kv_offload_store_s",
 )
 
 
