@@ -311,18 +311,15 @@ class Scheduler:
         return request.sampling_params.prompt_logprobs is None
 
     def _computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Prefix-cache hits, for a request that reads the prefix cache and has computed
-        nothing (one back from WAITING_FOR_REMOTE_KVS holds its blocks already)."""
-        if not self._reads_prefix_cache(request) or request.num_computed_tokens > 0:
+        """Prefix-cache hits, for a request that reads the prefix cache."""
+        if not self._reads_prefix_cache(request):
             return self.kv_cache_manager.empty_blocks(), 0
         return self.kv_cache_manager.get_computed_blocks(request)
 
     def _external_computed_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
         """Tokens after the local hit the KV connector provides, and whether they load
         asynchronously (the request then waits for them)."""
-        if self.connector is None or request.num_computed_tokens > 0:
-            return 0, False
-        if not self._reads_prefix_cache(request):
+        if self.connector is None or not self._reads_prefix_cache(request):
             return 0, False
         return self.connector.get_num_new_matched_tokens(request, num_local)
 
@@ -333,7 +330,7 @@ class Scheduler:
             request = self.waiting.peek_request()
             computed_blocks, num_local = self._computed_blocks(request)
             num_external, load_async = self._external_computed_tokens(request, num_local)
-            num_computed_tokens = request.num_computed_tokens + num_local + num_external
+            num_computed_tokens = num_local + num_external
             num_new_tokens = self._num_tokens_to_schedule(
                 request, num_computed_tokens, plan.token_budget
             )
@@ -346,12 +343,14 @@ class Scheduler:
             )
             if new_blocks is None:
                 break
-            # Counted on admission only: a request looked up again each step it waits counts once.
-            if request.num_computed_tokens == 0 and self._reads_prefix_cache(request):
+            # Counted on admission only: a request looked up again each step it waits counts
+            # once (one back from loading its KV was counted when it started to load).
+            reloaded = self.external_kv.take_loaded(request.request_id)
+            if self._reads_prefix_cache(request) and not reloaded:
                 self.kv_cache_manager.record_prefix_cache_stats(request, num_local)
-                if self.connector is not None:
-                    blocks = self.kv_cache_manager.get_blocks(request.request_id)
-                    self.connector.update_state_after_alloc(request, blocks, num_external)
+            if self.connector is not None and self._reads_prefix_cache(request):
+                blocks = self.kv_cache_manager.get_blocks(request.request_id)
+                self.connector.update_state_after_alloc(request, blocks, num_external)
             self.waiting.pop_request()
             if load_async:
                 self.external_kv.park(request, num_computed_tokens)

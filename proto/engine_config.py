@@ -161,6 +161,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             transfer is None or not self.is_null_model,
             "kv_transfer_config: the null model has no KV cache to transfer",
         )
+        _check(
+            not offloading or self.enable_prefix_caching,
+            f"{OFFLOADING_CONNECTOR} extends prefix-cache hits beyond the pool: it needs "
+            "enable_prefix_caching (drop --no-enable-prefix-caching or kv_offloading_size)",
+        )
 
     def _check_unchunked_prefill(self) -> None:
         """Without chunked prefill a prompt is prefilled in one step: the step budget must hold

@@ -39,13 +39,31 @@ class FakeTiers:
     bad_disk_hashes: set[bytes] = field(default_factory=set)
 
     def compute(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
-        """What the forward writes: each scheduled request's full computed blocks."""
-        for request_id in scheduler_output.num_scheduled_tokens:
+        """What the forward writes: the blocks each scheduled request fills this step (from
+        the one holding its first scheduled token on), never the ones it found computed."""
+        num_computed_before = {
+            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
+        }
+        for cached in scheduler_output.scheduled_cached_reqs:
+            num_computed_before[cached.req_id] = cached.num_computed_tokens
+        for request_id, num_before in num_computed_before.items():
             request = scheduler.requests[request_id]
             block_ids = scheduler.kv_cache_manager.get_block_ids(request_id)[0]
             num_full = min(request.num_computed_tokens // BLOCK_SIZE, len(request.block_hashes))
-            for index in range(num_full):
+            for index in range(num_before // BLOCK_SIZE, num_full):
                 self.device[block_ids[index]] = request.block_hashes[index]
+
+    def check_running_blocks(self, scheduler: Scheduler) -> None:
+        """Every full block a running request has computed holds its own hash's KV."""
+        for request in scheduler.running:
+            block_ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+            num_full = min(request.num_computed_tokens // BLOCK_SIZE, len(request.block_hashes))
+            for index in range(num_full):
+                label = self.device.get(block_ids[index])
+                assert label == request.block_hashes[index], (
+                    f"{request.request_id} block {index} (id {block_ids[index]}) holds the KV "
+                    "of another block"
+                )
 
     def transfer(self, metadata: OffloadingConnectorMetadata) -> KVConnectorOutput:
         output = KVConnectorOutput()
@@ -82,4 +100,5 @@ def step(scheduler: Scheduler, tiers: FakeTiers) -> SchedulerOutput:
     scheduler.update_from_output(scheduler_output, model_output)
     scheduler.kv_cache_manager.check_integrity()
     scheduler.connector.check_integrity()
+    tiers.check_running_blocks(scheduler)
     return scheduler_output

@@ -62,11 +62,12 @@ def test_a_prefix_evicted_from_the_pool_loads_from_the_host_tier_while_others_st
     assert load.req_id == "a2"
     assert load.blocks == [BlockLoad(1, 0), BlockLoad(2, 1), BlockLoad(3, 2)]
     assert list(loading_step.num_scheduled_tokens) == ["c"]  # the other request stepped
-    assert again.status == RequestStatus.WAITING  # back in the queue, its KV loaded
-    assert again.num_computed_tokens == 12
+    # Back in the queue holding nothing: its loaded blocks wait in the prefix cache.
+    assert again.status == RequestStatus.WAITING
+    assert scheduler.kv_cache_manager.get_block_ids("a2") == ([],)
     assert [tiers.device[block_id] for block_id in (1, 2, 3)] == hashes_a
     hit = scheduler.kv_cache_manager.get_computed_blocks(make_request("x", PROMPT_A))
-    assert hit[1] == 12  # the loaded blocks are in the prefix cache now
+    assert hit[1] == 12
 
     running_step = step(scheduler, tiers)
     (new_req,) = running_step.scheduled_new_reqs
@@ -159,7 +160,7 @@ def test_a_disk_block_loads_through_a_host_slot_when_one_can_be_freed():
         (False, hashes_a[2]),  # both host slots are pinned by the first two this step
     ]
     assert [tiers.device[b.block_id] for b in load.blocks] == hashes_a
-    assert again.num_computed_tokens == 12
+    assert scheduler.kv_cache_manager.get_computed_blocks(again)[1] == 12
     assert set(scheduler.connector.host.hashes_lru_first()) == set(hashes_a[:2])
 
 
@@ -218,16 +219,15 @@ def test_a_preempted_request_resumes_from_the_tier():
     request = scheduler.requests[resumed.req_id]
     assert (request.request_id, request.num_preemptions) == ("q", 1)
     num_loaded = len(resumed.blocks)
-    num_local = request.num_computed_tokens // 4 - num_loaded  # its hit still in the pool
-    loaded_hashes = request.block_hashes[num_local : num_local + num_loaded]
-    assert [tiers.device[b.block_id] for b in resumed.blocks] == loaded_hashes
-    assert scheduler.kv_cache_manager.get_block_ids("q")[0][num_local:] == [
-        b.block_id for b in resumed.blocks
-    ]
     resume = step(scheduler, tiers)
     (cached,) = [c for c in resume.scheduled_cached_reqs if c.req_id == "q"]
     assert cached.resumed_from_preemption
-    assert cached.num_computed_tokens == (num_local + num_loaded) * 4
+    num_local = cached.num_computed_tokens // 4 - num_loaded  # its hit still in the pool
+    assert num_local >= 0
+    loaded_ids = cached.new_block_ids[0][num_local : num_local + num_loaded]
+    assert loaded_ids == [b.block_id for b in resumed.blocks]
+    loaded_hashes = request.block_hashes[num_local : num_local + num_loaded]
+    assert [tiers.device[block_id] for block_id in loaded_ids] == loaded_hashes
 
 
 def test_tier_index_pins_protect_a_step_and_capacity_bounds_it():

@@ -1,6 +1,13 @@
 """`ExternalKVRequests`: the scheduler's requests whose KV is moving between the pool and a KV
 connector: those waiting for their blocks to load (WAITING_FOR_REMOTE_KVS) and finished ones
-whose blocks the connector still reads."""
+whose blocks the connector still reads.
+
+A request whose blocks have loaded gives them back to the pool as prefix-cache blocks and
+rejoins the waiting queue with nothing computed: its next admission finds them as an ordinary
+prefix hit. So no waiting request ever holds blocks, and one that cannot be admitted cannot
+starve the requests before it of blocks (with prefix caching off there is no prefix cache to
+keep them in, so `EngineConfig` refuses the offloading connector then).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from proto.kv_transfer import KVConnectorOutput
 class _Loading:
     request: Request
     status_after: RequestStatus  # WAITING, or PREEMPTED for a request resumed after preemption
-    num_computed_tokens: int  # its local hit plus the tokens loading
+    num_computed_tokens: int  # its local hit plus the tokens loading: what to cache
 
 
 class ExternalKVRequests:
@@ -25,6 +32,7 @@ class ExternalKVRequests:
     def __init__(self, kv_cache_manager: KVCacheManager) -> None:
         self.kv_cache_manager = kv_cache_manager
         self._loading: dict[str, _Loading] = {}
+        self._loaded: set[str] = set()  # back in the queue after a load, not admitted yet
         self._held_for_sending: dict[str, Request] = {}
 
     def __len__(self) -> int:
@@ -35,7 +43,8 @@ class ExternalKVRequests:
         return request_id in self._loading
 
     def park(self, request: Request, num_computed_tokens: int) -> None:
-        """The request waits for its blocks; it will have `num_computed_tokens` computed."""
+        """The request waits for its blocks; once they load, its first `num_computed_tokens`
+        (its local hit and the loaded tokens) are cached."""
         status_after = (
             RequestStatus.PREEMPTED
             if request.status == RequestStatus.PREEMPTED
@@ -47,30 +56,39 @@ class ExternalKVRequests:
     def remove(self, request_id: str) -> None:
         """Forgets an aborted request (its blocks are freed by the caller)."""
         self._loading.pop(request_id, None)
+        self._loaded.discard(request_id)
+
+    def take_loaded(self, request_id: str) -> bool:
+        """Whether the request is being admitted right after its load (its lookup was counted
+        when the load started); true once."""
+        if request_id in self._loaded:
+            self._loaded.remove(request_id)
+            return True
+        return False
 
     def finish_loads(self, output: KVConnectorOutput) -> list[Request]:
-        """The requests the workers report loaded, with their tokens computed and their blocks
-        cached, and those whose load failed, holding no blocks and nothing computed (they are
-        looked up again); all in their status before the wait, for the waiting queue."""
+        """The requests the workers report loaded (their blocks now cached, and freed) or
+        failed to load (their blocks freed uncached), holding nothing, in their status before
+        the wait: for the waiting queue, where their next lookup finds what loaded."""
         ready = []
         for request_id in output.finished_recving:
             loading = self._loading.pop(request_id, None)
             if loading is None:
                 continue  # aborted while loading
-            request = loading.request
-            request.num_computed_tokens = loading.num_computed_tokens
-            self.kv_cache_manager.cache_blocks(request, loading.num_computed_tokens)
-            request.status = loading.status_after
-            ready.append(request)
+            self.kv_cache_manager.cache_blocks(loading.request, loading.num_computed_tokens)
+            self._loaded.add(request_id)
+            ready.append(self._release(loading))
         for request_id in output.failed_recving:
             loading = self._loading.pop(request_id, None)
-            if loading is None:
-                continue
-            self.kv_cache_manager.free(loading.request)
-            loading.request.num_computed_tokens = 0
-            loading.request.status = loading.status_after
-            ready.append(loading.request)
+            if loading is not None:
+                self._loaded.add(request_id)
+                ready.append(self._release(loading))
         return ready
+
+    def _release(self, loading: _Loading) -> Request:
+        self.kv_cache_manager.free(loading.request)
+        loading.request.status = loading.status_after
+        return loading.request
 
     def hold_for_sending(self, request: Request) -> None:
         """A finished request whose blocks the connector reads until `finished_sending`."""
