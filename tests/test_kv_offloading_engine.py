@@ -86,3 +86,44 @@ def test_kv_offloading_size_alone_means_the_offloading_connector_and_survives_th
     assert config.kv_transfer_config.kv_connector == "OffloadingConnector"
     assert config.kv_transfer_config.kv_role == "kv_both"
     assert EngineConfig.from_b64(config.to_b64()) == config
+
+
+def test_the_tier_metrics_have_vllms_names_under_our_prefix():
+    from frontend.metrics import EngineMetrics
+    from proto import SchedulerStats
+
+    stats = SchedulerStats(
+        external_prefix_cache_queries=100,
+        external_prefix_cache_hits=96,
+        kv_offload_host_bytes=4096,
+        kv_offload_loaded_bytes=2048,
+        kv_offload_load_s=0.25,
+    )
+    text = EngineMetrics("m").render_prometheus(stats).decode()
+    assert 'core:external_prefix_cache_queries_total{model_name="m"} 100.0' in text
+    assert 'core:external_prefix_cache_hits_total{model_name="m"} 96.0' in text
+    assert 'core:kv_offload_host_bytes_used{model_name="m"} 4096.0' in text
+    assert 'core:kv_offload_loaded_bytes_total{model_name="m"} 2048.0' in text
+    assert 'core:kv_offload_load_seconds_total{model_name="m"} 0.25' in text
+
+
+def test_the_kv_flags_reach_the_engine_config():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--kv-transfer-config",
+            '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+            '"kv_connector_extra_config": {"disk_size_gib": 2}}',
+            "--kv-offloading-size",
+            "4",
+            "--kv-offloading-path",
+            "/var/kv",
+        ]
+    )
+    config = EngineConfig.from_cli_args(args)
+    assert config.kv_offloading_size == 4.0
+    assert config.kv_offloading_path == "/var/kv"
+    assert config.kv_transfer_config.disk_size_gib == 2

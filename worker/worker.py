@@ -105,9 +105,10 @@ class Worker:
         self.model_runner = self._new_model_runner()
         if self.device.type == "cuda":
             self._warm_up_attention_kernels()
-        self.kv_connector = make_kv_connector_worker(
-            self.config, self.kv_block_layout, self.dtype, self.device
-        )
+        if self.config.kv_transfer_config is not None:
+            self.kv_connector = make_kv_connector_worker(
+                self.config, self.kv_block_layout, self.dtype, self.device
+            )
 
     def describe(self, ready: WorkerReady, load_s: float) -> str:
         """The start-up log line: what runs where, and how much KV fits."""
