@@ -13,6 +13,7 @@ from typing import Protocol
 
 from core.kv_block_map import build_kv_block_map
 from core.kv_cache_spec import KVCacheConfig
+from core.kv_connector.kv_connector_factory import make_kv_connector
 from core.request import Request, RequestStatus
 from core.scheduler import Scheduler
 from core.scheduler_config import SchedulerConfig
@@ -155,6 +156,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         scheduler_config.max_model_len,
         hybrid=not config.disable_hybrid_kv_cache,
     )
+    connector = make_kv_connector(config, readies, kv_cache_config)
     executor.initialize_cache(num_gpu_blocks)
     ready = EngineReady(
         num_gpu_blocks,
@@ -165,7 +167,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         list(readies[0].eos_token_ids),
         scheduler_config.policy,
     )
-    return EngineCore(Scheduler(scheduler_config, kv_cache_config), executor), ready
+    return EngineCore(Scheduler(scheduler_config, kv_cache_config, connector), executor), ready
 
 
 def make_request(core_request: EngineCoreRequest, block_size: int, vocab_size: int) -> Request:

@@ -58,6 +58,12 @@ WORKLOAD_COUNTERS = (
     "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "kv_offload_loaded_bytes",
+    "kv_offload_stored_bytes",
+    "kv_offload_load_s",
+    "kv_offload_store_s",
 )
 
 

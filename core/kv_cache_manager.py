@@ -129,6 +129,8 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Gives the request slots for `num_new_tokens` more tokens after its computed ones,
         in every group.
@@ -141,15 +143,25 @@ class KVCacheManager:
         caller then preempts someone); on None no group allocates or touches a block (the
         blocks outside the window stay freed: they are dead either way). Full blocks are
         registered in the prefix cache as soon as their tokens are scheduled.
+
+        `num_external_computed_tokens` follow the hit: a KV connector fills their (new) blocks,
+        so `num_new_tokens` may be 0 when the request only waits for them. With
+        `delay_cache_blocks` no block is cached now (the connector has not filled them yet);
+        `cache_blocks` does it once they are.
         """
-        if num_new_tokens <= 0:
-            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        if num_new_tokens < 0 or num_new_tokens + num_external_computed_tokens <= 0:
+            raise ValueError(
+                f"num_new_tokens must be positive, got {num_new_tokens} (0 only with "
+                f"num_external_computed_tokens, got {num_external_computed_tokens})"
+            )
         if new_computed_blocks is None:
             new_computed_blocks = self.empty_blocks()
         new_computed_block_lists = new_computed_blocks.blocks
         if not self.enable_caching and any(new_computed_block_lists):
             raise ValueError("prefix-hit blocks given while prefix caching is disabled")
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_computed_tokens = (
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        )
         num_tokens_need_slot = min(
             num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
@@ -161,10 +173,16 @@ class KVCacheManager:
             return None
         self.coordinator.save_new_computed_blocks(request.request_id, new_computed_block_lists)
         new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(new_blocks)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Registers the request's full blocks up to `num_computed_tokens` in the prefix cache
+        (blocks allocated with `delay_cache_blocks`, once a connector has filled them)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Frees the request's blocks in every group."""

@@ -15,10 +15,13 @@ class RequestStatus(enum.IntEnum):
 
     WAITING_FOR_FSM: a constrained request whose grammar the workers are still compiling; it
     holds no blocks and joins the waiting queue (as WAITING) once rank 0 reports it ready.
+    WAITING_FOR_REMOTE_KVS: a request whose prefix a KV connector is loading into blocks it
+    holds; it rejoins the waiting queue, with those tokens computed, once rank 0 reports them.
     """
 
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

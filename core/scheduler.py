@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from core.kv_cache_events import KVCacheEventLog
 from core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from core.kv_cache_spec import KVCacheConfig
+from core.kv_connector.external_kv_requests import ExternalKVRequests
+from core.kv_connector.kv_connector_base import KVConnectorBase
 from core.request import Request, RequestStatus
 from core.request_queue import create_request_queue
 from core.scheduler_config import (
@@ -27,6 +29,7 @@ from proto import (
     SchedulerOutput,
     SchedulerStats,
 )
+from proto.kv_transfer import KVConnectorOutput
 from proto.sampling_params import StructuredOutputs
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -74,10 +77,17 @@ class Scheduler:
     `num_new_tokens` in `allocate_slots` (tokens computed this step); `num_lookahead_tokens`
     stays 0: it reserves slots for tokens a proposer in the worker would write after the step
     (EAGLE), and drafts proposed here need none beyond their own.
+
+    `connector` (see `core.kv_connector.kv_connector_base`) extends a waiting request's prefix
+    hit with tokens from beyond the pool; while they load the request waits in
+    WAITING_FOR_REMOTE_KVS (`external_kv`), and the other requests keep stepping.
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache_config: KVCacheConfig | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache_config: KVCacheConfig | None = None,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
@@ -91,6 +101,8 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
             kv_cache_config=kv_cache_config,
         )
+        self.connector = connector
+        self.external_kv = ExternalKVRequests(self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -158,6 +170,7 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in running_ids]
         for request in to_finish:
             self.waiting_for_fsm.pop(request.request_id, None)
+            self.external_kv.remove(request.request_id)
         queued = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.waiting.remove_requests(r for r in to_finish if r.status in queued)
         for request in to_finish:
@@ -165,7 +178,11 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        if self.connector is not None and self.connector.request_finished(request, block_ids)[0]:
+            self.external_kv.hold_for_sending(request)
+        else:
+            self.kv_cache_manager.free(request)
         request.spec_token_ids = []
         if self.drafter is not None:
             self.drafter.remove_request(request)
@@ -195,7 +212,8 @@ class Scheduler:
                 self.waiting.add_request_in_arrival_order(request)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_fsm) + len(self.running)
+        num_waiting = len(self.waiting) + len(self.waiting_for_fsm) + len(self.external_kv)
+        return num_waiting + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -231,6 +249,8 @@ class Scheduler:
             for request in self.running:
                 request.spec_token_ids = []
         output = self._make_scheduler_output(plan)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         self.num_steps += 1
@@ -348,26 +368,45 @@ class Scheduler:
             return self.kv_cache_manager.empty_blocks(), 0
         return self.kv_cache_manager.get_computed_blocks(request)
 
+    def _external_computed_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+        """Tokens after the local hit the KV connector provides, and whether they load
+        asynchronously (the request then waits for them)."""
+        if self.connector is None or not self._reads_prefix_cache(request):
+            return 0, False
+        return self.connector.get_num_new_matched_tokens(request, num_local)
+
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek_request()
-            computed_blocks, num_computed_tokens = self._computed_blocks(request)
+            computed_blocks, num_local = self._computed_blocks(request)
+            num_external, load_async = self._external_computed_tokens(request, num_local)
+            num_computed_tokens = num_local + num_external
             num_new_tokens = self._num_tokens_to_schedule(
                 request, num_computed_tokens, plan.token_budget
             )
-            if not self._may_start(request, num_computed_tokens, num_new_tokens):
+            if load_async:
+                num_new_tokens = 0  # it only takes blocks for the tokens it waits for
+            elif not self._may_start(request, num_computed_tokens, num_new_tokens):
                 break
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_computed_tokens, computed_blocks
+                request, num_new_tokens, num_local, computed_blocks, 0, num_external, load_async
             )
             if new_blocks is None:
                 break
-            # Counted on admission only: a request looked up again each step it waits counts once.
-            if self._reads_prefix_cache(request):
-                self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
+            # Counted on admission only: a request looked up again each step it waits counts
+            # once (one back from loading its KV was counted when it started to load).
+            reloaded = self.external_kv.take_loaded(request.request_id)
+            if self._reads_prefix_cache(request) and not reloaded:
+                self.kv_cache_manager.record_prefix_cache_stats(request, num_local)
+            if self.connector is not None and self._reads_prefix_cache(request):
+                blocks = self.kv_cache_manager.get_blocks(request.request_id)
+                self.connector.update_state_after_alloc(request, blocks, num_external)
             self.waiting.pop_request()
+            if load_async:
+                self.external_kv.park(request, num_computed_tokens)
+                continue
             self.running.append(request)
             if request.status == RequestStatus.PREEMPTED:
                 plan.resumed_reqs.append(request)
@@ -439,6 +478,7 @@ class Scheduler:
         A request that verified drafts gets its rejected ones rolled back first.
         """
         outputs = []
+        self._update_from_kv_connector_output(model_runner_output.kv_connector_output)
         for request_id, message in model_runner_output.request_errors.items():
             if request_id in self.requests:
                 self.finish_requests(request_id, RequestStatus.FINISHED_IGNORED)
@@ -498,6 +538,16 @@ class Scheduler:
         request.num_computed_tokens -= len(drafts) - num_accepted
         self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
 
+    def _update_from_kv_connector_output(self, output: KVConnectorOutput | None) -> None:
+        """Requests whose KV loaded (or failed to) go back to the waiting queue; blocks the
+        connector has sent are freed."""
+        if self.connector is None or output is None:
+            return
+        self.connector.update_connector_output(output)
+        for request in self.external_kv.finish_loads(output):
+            self.waiting.add_request_in_arrival_order(request)
+        self.external_kv.release_sent(output.finished_sending)
+
     def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
         new_token_ids = []
         for token_id in sampled_token_ids:
@@ -536,7 +586,7 @@ class Scheduler:
         prefix_stats = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm) + len(self.external_kv),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits,
@@ -554,6 +604,7 @@ class Scheduler:
             spec_decode_num_accepted_tokens_per_pos=list(
                 self.spec_decoding_stats.num_accepted_tokens_per_pos
             ),
+            **(self.connector.stats_fields() if self.connector is not None else {}),
         )
 
     def check_spec_decode_integrity(self) -> None:

@@ -279,4 +279,52 @@ SCHEDULER_METRICS = (
         "Draft tokens accepted.",
         lambda stats: stats.spec_decode_num_accepted_tokens,
     ),
+    (
+        CounterMetricFamily,
+        "external_prefix_cache_queries",
+        "Tokens looked up beyond the KV pool (the KV connector's tiers), on admission.",
+        lambda stats: stats.external_prefix_cache_queries,
+    ),
+    (
+        CounterMetricFamily,
+        "external_prefix_cache_hits",
+        "Tokens found beyond the KV pool (the KV connector's tiers), on admission.",
+        lambda stats: stats.external_prefix_cache_hits,
+    ),
+    (
+        GaugeMetricFamily,
+        "kv_offload_host_bytes_used",
+        "Bytes of KV blocks the host-memory offloading tier holds (all ranks).",
+        lambda stats: stats.kv_offload_host_bytes,
+    ),
+    (
+        GaugeMetricFamily,
+        "kv_offload_disk_bytes_used",
+        "Bytes of KV blocks the disk offloading tier holds (all ranks).",
+        lambda stats: stats.kv_offload_disk_bytes,
+    ),
+    (
+        CounterMetricFamily,
+        "kv_offload_loaded_bytes",
+        "Bytes of KV loaded from the offloading tiers into the pool.",
+        lambda stats: stats.kv_offload_loaded_bytes,
+    ),
+    (
+        CounterMetricFamily,
+        "kv_offload_stored_bytes",
+        "Bytes of KV stored from the pool into the offloading tiers.",
+        lambda stats: stats.kv_offload_stored_bytes,
+    ),
+    (
+        CounterMetricFamily,
+        "kv_offload_load_seconds",
+        "Seconds rank 0 spent loading KV from the offloading tiers.",
+        lambda stats: stats.kv_offload_load_s,
+    ),
+    (
+        CounterMetricFamily,
+        "kv_offload_store_seconds",
+        "Seconds rank 0 spent storing KV into the offloading tiers.",
+        lambda stats: stats.kv_offload_store_s,
+    ),
 )

@@ -17,6 +17,7 @@ import msgspec
 
 from common.dtypes import DTYPE_NAMES
 from proto.endpoints import is_wildcard_host, parse_tcp_address
+from proto.kv_transfer import OFFLOADING_CONNECTOR, KVTransferConfig
 from proto.speculative_config import SpeculativeConfig
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -78,6 +79,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ray_placement_strategy: str = "PACK"
     ray_cpus_per_worker: int = 1
     speculative_config: SpeculativeConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_path: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -125,6 +129,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         msgspec.structs.force_setattr(  # a dict or JSON from Python callers, validated here
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
+        self._check_kv_transfer()
         _check(
             self.long_prefill_token_threshold >= 0,
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
@@ -137,6 +142,36 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _check(
             self.max_frame_bytes >= MIN_FRAME_BYTES,
             f"max_frame_bytes must be at least {MIN_FRAME_BYTES}, got {self.max_frame_bytes}",
+        )
+
+    def _check_kv_transfer(self) -> None:
+        """`kv_offloading_size` alone means the OffloadingConnector (vLLM's native offloading);
+        that connector needs it, and `kv_offloading_path` needs that connector."""
+        transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        size = self.kv_offloading_size
+        _check(size is None or size > 0, f"kv_offloading_size must be positive GiB, got {size}")
+        if transfer is None and size is not None:
+            transfer = KVTransferConfig.offloading()
+        msgspec.structs.force_setattr(self, "kv_transfer_config", transfer)
+        offloading = transfer is not None and transfer.kv_connector == OFFLOADING_CONNECTOR
+        _check(
+            not offloading or size is not None,
+            f"kv_transfer_config names {OFFLOADING_CONNECTOR}, which needs kv_offloading_size "
+            "(GiB of host memory for offloaded KV blocks)",
+        )
+        _check(
+            self.kv_offloading_path is None or offloading,
+            f"kv_offloading_path={self.kv_offloading_path!r} adds a disk tier to "
+            f"{OFFLOADING_CONNECTOR}: set kv_offloading_size too",
+        )
+        _check(
+            transfer is None or not self.is_null_model,
+            "kv_transfer_config: the null model has no KV cache to transfer",
+        )
+        _check(
+            not offloading or self.enable_prefix_caching,
+            f"{OFFLOADING_CONNECTOR} extends prefix-cache hits beyond the pool: it needs "
+            "enable_prefix_caching (drop --no-enable-prefix-caching or kv_offloading_size)",
         )
 
     def _check_unchunked_prefill(self) -> None:
@@ -316,7 +351,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 INTERNAL_FIELDS = frozenset({"data_parallel_rank"})
 
 # Fields whose flag takes a JSON object, each with the parser that validates it.
-JSON_FIELDS = {"speculative_config": SpeculativeConfig.parse}
+JSON_FIELDS = {
+    "speculative_config": SpeculativeConfig.parse,
+    "kv_transfer_config": KVTransferConfig.parse,
+}
 
 FIELD_HELP = {
     "model": "HF folder or .gguf file (None: the default SmolLM2-135M-Instruct; 'null': no model)",
@@ -378,6 +416,19 @@ FIELD_HELP = {
     "speculative_config": (
         'JSON, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N} '
         'or {"method": "suffix"} (None: no speculative decoding)'
+    ),
+    "kv_transfer_config": (
+        'JSON, vLLM\'s: {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"disk_size_gib": 16}} (None: no connector; '
+        "--kv-offloading-size alone implies the OffloadingConnector)"
+    ),
+    "kv_offloading_size": (
+        "GiB of host memory (all tensor-parallel ranks together) keeping KV blocks that leave "
+        "the pool, for later prefix hits (None: no offloading)"
+    ),
+    "kv_offloading_path": (
+        "folder of a disk tier below the host tier, kept across restarts when "
+        "CORE_ENGINE_PREFIX_HASH_SEED fixes the block hash seed"
     ),
     "enforce_eager": (
         "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"

@@ -117,6 +117,17 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    # The KV connector's (zero without one): tokens looked up beyond the pool and found there
+    # (a request's first lookup only), bytes its offloading tiers hold, bytes moved and the
+    # seconds the transfers took (cumulative).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_host_bytes: int = 0
+    kv_offload_disk_bytes: int = 0
+    kv_offload_loaded_bytes: int = 0
+    kv_offload_stored_bytes: int = 0
+    kv_offload_load_s: float = 0.0
+    kv_offload_store_s: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

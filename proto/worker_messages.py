@@ -15,9 +15,10 @@ import msgspec
 
 from proto.engine_config import EngineConfig
 from proto.engine_messages import TokenLogprobs
+from proto.kv_transfer import KVConnectorHandshake, KVConnectorMetadata, KVConnectorOutput
 from proto.sampling_params import SamplingParams, StructuredOutputs
 
-WORKER_PROTOCOL_VERSION = 3
+WORKER_PROTOCOL_VERSION = 4
 """Raised whenever a message of this link changes shape (EngineConfig included): a worker on
 another host runs its own copy of the engine, and the core admits only its own version."""
 
@@ -68,6 +69,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     request is scheduled for `1 + len(drafts)` tokens: its last sampled token followed by the
     drafts, so the forward computes K+1 positions and the worker samples at every one of them
     (see `ModelRunnerOutput`). A request with no drafts this step is absent.
+
+    `kv_connector_metadata`: this step's work for the KV connector's worker side (None without
+    a connector; see `proto.kv_transfer`).
     """
 
     scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
@@ -78,6 +82,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     grammars_to_prepare: dict[str, StructuredOutputs] = msgspec.field(default_factory=dict)
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -98,6 +103,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     compiled since the last report (each reported once; a failed compile is a request error).
     `prompt_logprobs[req_id]` are the logprobs of the prompt tokens this step's chunk predicts,
     in order, for requests that asked for them.
+    `kv_connector_output`: the KV connector's transfers of this step (None without one).
     """
 
     req_ids: list[str] = msgspec.field(default_factory=list)
@@ -106,6 +112,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     request_errors: dict[str, str] = msgspec.field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
     grammars_ready: list[str] = msgspec.field(default_factory=list)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class WorkerReady(msgspec.Struct, array_like=True, gc=False):
@@ -127,6 +134,8 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     # (the null model), one full-attention group. The core groups the layers from this with
     # common.kv_cache_groups.group_layers, as the worker does to lay out its cache.
     layer_sliding_windows: list[int | None] = msgspec.field(default_factory=list)
+    # The KV connector's side on this rank (None without a connector).
+    kv_connector_handshake: KVConnectorHandshake | None = None
 
 
 class InitKVCache(msgspec.Struct, array_like=True, gc=False):

@@ -50,6 +50,8 @@ class NullWorker:
         self.eos_token_ids: list[int] = []
         self.num_gpu_blocks: int | None = None
         self.req_id_to_state: dict[str, NullRequestState] = {}
+        # No KV, so no KV connector (EngineConfig refuses one for the null model).
+        self.kv_connector_handshake = None
 
     def describe(self, ready: WorkerReady, load_s: float) -> str:
         return f"worker rank {ready.rank}: null model on {ready.device}, {ready.num_gpu_blocks} KV blocks"

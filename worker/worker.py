@@ -14,8 +14,12 @@ from kernels.cpu import kernel_loader as cpu_kernel_loader
 from kernels.cuda.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
 from proto.engine_config import DEVICES, EngineConfig
+from proto.kv_transfer import KVConnectorHandshake
 from worker.cpu_features import default_cpu_dtype
 from worker.cpu_linear import pack_linears
+from worker.kv_connector.kv_block_layout import KVBlockLayout
+from worker.kv_connector.kv_connector_factory import make_kv_connector_worker
+from worker.kv_connector.kv_connector_worker import KVConnectorWorker, execute_with_connector
 from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from worker.model_runner import ModelRunner
 from worker.parallel_state import init_distributed
@@ -74,6 +78,7 @@ class Worker:
         self.model_config = None
         self.model_runner: ModelRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_connector: KVConnectorWorker | None = None
         self._max_model_len: int | None = None
 
     def load_model(self) -> None:
@@ -100,6 +105,10 @@ class Worker:
         self.model_runner = self._new_model_runner()
         if self.device.type == "cuda":
             self._warm_up_attention_kernels()
+        if self.config.kv_transfer_config is not None:
+            self.kv_connector = make_kv_connector_worker(
+                self.config, self.kv_block_layout, self.dtype, self.device
+            )
 
     def describe(self, ready: WorkerReady, load_s: float) -> str:
         """The start-up log line: what runs where, and how much KV fits."""
@@ -172,6 +181,26 @@ class Worker:
         elements = 2 * self.block_size * self.num_kv_heads * config.head_dim
         return elements * layers_per_group(self.kv_cache_groups) * self.dtype.itemsize
 
+    @property
+    def kv_block_layout(self) -> KVBlockLayout:
+        """What one KV block of this rank holds (the offloading tiers' file layout)."""
+        config = self.model_config
+        return KVBlockLayout(
+            model=f"{self.model_path.resolve()} ({config.architecture})",
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.block_size,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=config.head_dim,
+            tp_rank=self.rank,
+            tp_size=self.world_size,
+        )
+
+    @property
+    def kv_connector_handshake(self) -> KVConnectorHandshake | None:
+        """This rank's side of the KV connector (None without one); reads the disk tier."""
+        return self.kv_connector.handshake() if self.kv_connector is not None else None
+
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit: measured on CUDA after a dummy step, budgeted on CPU."""
         self._require_loaded()
@@ -194,11 +223,15 @@ class Worker:
         self.kv_caches = self._allocate_kv_caches(num_gpu_blocks)
         self.model_runner = self._new_model_runner()
         self.model_runner.initialize_kv_cache(self.kv_caches)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.model_runner is None or not self.kv_caches:
             raise RuntimeError("execute_model called before initialize_cache()")
-        return self.model_runner.execute_model(scheduler_output)
+        return execute_with_connector(
+            self.kv_connector, scheduler_output, self.model_runner.execute_model
+        )
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """Layer i's cache [2, num_blocks, block_size, num_kv_heads, head_dim]. Layers at the

@@ -56,4 +56,5 @@ def worker_ready(
         max_num_seqs=worker.max_num_seqs,
         eos_token_ids=list(worker.eos_token_ids),
         layer_sliding_windows=list(worker.layer_sliding_windows),
+        kv_connector_handshake=worker.kv_connector_handshake,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
+from proto.kv_transfer import KVConnectorHandshake
 
 
 class WorkerProtocol(Protocol):
@@ -35,6 +36,9 @@ class WorkerProtocol(Protocol):
 
     @property
     def layer_sliding_windows(self) -> list[int | None]: ...
+
+    @property
+    def kv_connector_handshake(self) -> KVConnectorHandshake | None: ...
 
     def load_model(self) -> None: ...
 

@@ -1,0 +1,3 @@
+"""The worker side of KV connectors: the bytes of KV blocks kept beyond the device's pool (host
+memory, disk), copied in and out as the scheduler side's metadata says. The scheduler side is
+`core/kv_connector/`."""

@@ -1,0 +1,39 @@
+"""The worker side of the connector `EngineConfig.kv_transfer_config` names."""
+
+from __future__ import annotations
+
+import torch
+
+from proto.engine_config import EngineConfig
+from worker.kv_connector.disk_kv_tier import DiskKVTier
+from worker.kv_connector.kv_block_layout import KVBlockLayout
+from worker.kv_connector.offloading_connector_worker import OffloadingConnectorWorker
+
+GIB = 2**30
+
+
+def make_kv_connector_worker(
+    config: EngineConfig,
+    layout: KVBlockLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> OffloadingConnectorWorker | None:
+    """None without `kv_transfer_config`; the tier budgets are split evenly over the ranks."""
+    transfer = config.kv_transfer_config
+    if transfer is None:
+        return None
+    world_size = layout.tp_size
+    disk = None
+    disk_bytes = 0.0
+    if config.kv_offloading_path is not None:
+        disk = DiskKVTier(config.kv_offloading_path, layout)
+        disk_bytes = transfer.disk_size_gib * GIB / world_size
+    return OffloadingConnectorWorker(
+        layout,
+        dtype,
+        device,
+        host_bytes=config.kv_offloading_size * GIB / world_size,
+        disk=disk,
+        disk_bytes=disk_bytes,
+        world_size=world_size,
+    )
