@@ -17,6 +17,10 @@ from core.scheduler_config import (
     blocks_per_full_length_request,
     check_pool_holds_one_request,
 )
+from core.spec_decode.draft_verification import (
+    check_spec_decode_integrity,
+    roll_back_rejected_drafts,
+)
 from core.spec_decode.drafter import Drafter
 from core.spec_decode.spec_decoding_stats import SpecDecodingStats
 from proto import (
@@ -497,7 +501,8 @@ class Scheduler:
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
-                self._roll_back_rejected_drafts(request, drafts, sampled_token_ids)
+                num_accepted = roll_back_rejected_drafts(request, drafts, sampled_token_ids)
+                self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
             new_token_ids = self._append_until_stop(request, sampled_token_ids)
             self.num_generation_tokens += len(new_token_ids)
             token_logprobs = logprobs[index] if logprobs is not None else None
@@ -522,21 +527,6 @@ class Scheduler:
         if stopped_ids:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
-
-    def _roll_back_rejected_drafts(
-        self, request: Request, drafts: list[int], sampled_token_ids: list[int]
-    ) -> None:
-        """Uncomputes the positions after the accepted drafts (their KV is overwritten next
-        step). The worker must return the accepted drafts, in order, then one more token."""
-        num_accepted = len(sampled_token_ids) - 1
-        if num_accepted > len(drafts) or sampled_token_ids[:num_accepted] != drafts[:num_accepted]:
-            raise RuntimeError(
-                f"request {request.request_id!r} verified drafts {drafts} but the worker "
-                f"returned {sampled_token_ids}: expected an accepted prefix of the drafts "
-                "and one token after it"
-            )
-        request.num_computed_tokens -= len(drafts) - num_accepted
-        self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
 
     def _update_from_kv_connector_output(self, output: KVConnectorOutput | None) -> None:
         """Requests whose KV loaded (or failed to) go back to the waiting queue; blocks the
@@ -608,14 +598,8 @@ class Scheduler:
         )
 
     def check_spec_decode_integrity(self) -> None:
-        """Between steps: no request holds drafts, none has more tokens computed than it
-        has, and the accepted drafts never outnumber the drafted ones. Raises AssertionError."""
-        for request in self.requests.values():
-            assert not request.spec_token_ids, f"{request} holds drafts between steps"
-            assert request.num_computed_tokens <= request.num_tokens, f"{request} computed drafts"
-        stats = self.spec_decoding_stats
-        assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
-        assert stats.num_accepted_tokens <= stats.num_draft_tokens
+        """Between steps (tests): see `draft_verification.check_spec_decode_integrity`."""
+        check_spec_decode_integrity(self.requests.values(), self.spec_decoding_stats)
 
 
 def _nonempty_groups(blocks: KVCacheBlocks) -> list[list[int]]:
