@@ -103,6 +103,18 @@ def _simd_suffix(info: dict) -> str:
     return f" with {info['cpu_simd']}" if "cpu_simd" in info else ""
 
 
+def device_results_dir(device: str) -> Path:
+    """Where a benchmark of `device` files its results by default: `gpu/` for CUDA, else a
+    folder named after the widest SIMD flag of this CPU (`avx2/`, `avx512_bf16/`, ...), so
+    that results from CPUs of different kinds never overwrite one another."""
+    if device == "cuda":
+        return RESULTS_DIR / "gpu"
+    from worker.cpu_features import SIMD_LEVELS, host_cpu_flags
+
+    flags = host_cpu_flags()
+    return RESULTS_DIR / next((flag for flag, _ in SIMD_LEVELS if flag in flags), "generic_cpu")
+
+
 def result_name(name: str, quick: bool) -> str:
     return f"{name}_quick" if quick else name
 

@@ -625,6 +625,35 @@ def test_bench_prefix_cache_quick(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_bench_spec_decode_quick_on_the_null_model(tmp_path):
+    """The whole plumbing (engines with and without drafts, closed loops, counters, rows, the
+    equality gate); the null model drafts but never has a draft accepted."""
+    result = run_quick("bench_spec_decode", tmp_path, "--model", "null",
+                       "--methods", "ngram", "suffix")  # fmt: skip
+    assert result["num_differing_requests_engine"] == 0
+    assert [w["name"] for w in result["workloads"]] == ["copy-heavy-chat", "random"]
+    keys = [(row["workload"], row["batch"], row["arm"]) for row in result["rows"]]
+    assert keys == [
+        (workload, batch, arm)
+        for workload in ("copy-heavy-chat", "random")
+        for batch in ("1", "4", "sat")
+        for arm in ("no spec", "ngram", "suffix")
+    ]
+    for row in result["rows"]:
+        assert row["output_tokens_per_s"] > 0 and row["tpot_ms_mean"] > 0
+        drafts = row["spec_decode"]["num_drafts"]
+        if row["arm"] == "no spec":
+            assert drafts == 0 and row["speedup"] is None
+        else:
+            # null replies repeat one token: n-gram and suffix both find drafts
+            assert drafts > 0 and row["num_differing_requests"] == 0
+            assert row["speedup"] > 0 and row["tpot_ratio"] > 0
+    assert set(result["targets"]) == {"ngram", "suffix"}
+    assert "equality gate (passed)" in (tmp_path / "spec_decode_quick.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_profile_step_quick_times_every_part(tmp_path):
     """Every part has a timer that ran (a renamed layer function would leave it at zero)."""
     result = run_quick("profile_step", tmp_path, "--name", "profile_step")
@@ -657,12 +686,12 @@ def test_bench_linears_quick_times_every_way(tmp_path, dtype, torch_ways):
         assert all(ms > 0 for ms in row["ms_per_pass"].values())
 
 
-# Scripts that a user starts, with an argparse --help; peer_vllm_offline runs inside vLLM's
-# own virtual environment and reads its work from stdin.
+# Scripts that a user starts, with an argparse --help; the peer_vllm_* runners run inside
+# vLLM's own virtual environment and read their work from stdin.
 USER_SCRIPTS = sorted(
     path.stem
     for path in (REPO_ROOT / "scripts").glob("*.py")
-    if 'if __name__ == "__main__"' in path.read_text() and path.stem != "peer_vllm_offline"
+    if 'if __name__ == "__main__"' in path.read_text() and not path.stem.startswith("peer_vllm_")
 )
 
 
