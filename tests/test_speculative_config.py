@@ -76,3 +76,12 @@ def test_bad_json_flag_is_a_clear_error():
         parse_flags("--speculative-config", "{method: ngram}")
     with pytest.raises(ValueError, match="must be a JSON object, got list"):
         parse_flags("--speculative-config", "[4]")
+
+
+def test_drafting_stops_at_32_running_requests_by_default_and_never_with_null():
+    default = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    assert default.disable_by_batch_size == 32
+    never = SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    )
+    assert never.disable_by_batch_size is None
