@@ -41,6 +41,12 @@ PROMPT = (
     "large address space. Decades later the same idea organises the key and value cache of "
     "language models into fixed blocks. Explain in one paragraph why"
 )
+# Shares no block with PROMPT: the decode instance has none of it cached when it pulls.
+OTHER_PROMPT = (
+    "Write a short letter to a lighthouse keeper who has kept the same lamp burning for forty "
+    "years, thanking them for every ship that reached the harbour safely in the storms of the "
+    "northern winter, and ask"
+)
 COMPLETION = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 CHAT = {
     "messages": [{"role": "user", "content": PROMPT}],
@@ -100,6 +106,7 @@ def instances(tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerProcess, 
         proxy.stop()
         for server in (prefill, decode):
             kill_tree(server)
+            server.stop()  # closes its log
 
 
 def kill_tree(server: ServerProcess) -> None:
@@ -168,7 +175,7 @@ def test_a_streamed_chat_through_the_proxy_equals_one_instance(instances):
 def test_the_prefill_answer_carries_where_to_pull_and_a_dead_prefill_means_recompute(instances):
     """Last in this module: it kills the prefill instance."""
     prefill, decode, _ = instances
-    body = {**COMPLETION, "prompt": PROMPT + " blocks"}
+    body = {**COMPLETION, "prompt": OTHER_PROMPT}
     reference = post(decode.base_url, "/v1/completions", {**body, "cache_salt": "ref"})
     answer = post(
         prefill.base_url,

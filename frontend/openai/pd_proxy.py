@@ -14,7 +14,9 @@ of 4xx (the request is bad) goes back to the client as it is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -106,10 +108,22 @@ class PDRouter:
         )
 
 
-def build_proxy_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+def build_proxy_app(
+    prefill_url: str,
+    decode_url: str,
+    timeout_s: float = 600.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """`transport`: how the upstream requests travel (tests pass a mock; default: HTTP)."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
     router = PDRouter(prefill_url, decode_url, client)
-    app = FastAPI(title="core-pd-proxy")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="core-pd-proxy", lifespan=lifespan)
     app.state.router = router
 
     async def routed(request: Request) -> Response:
@@ -128,7 +142,6 @@ def build_proxy_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0)
         app.add_api_route(path, routed, methods=["POST"])
     for path in ("/v1/models", "/health", "/version"):
         app.add_api_route(path, forwarded_get, methods=["GET"])
-    app.router.add_event_handler("shutdown", client.aclose)
     return app
 
 

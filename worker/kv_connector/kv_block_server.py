@@ -169,11 +169,11 @@ class KVBlockServer:
             hold = self._wait_for_hold(pull.request_id)
             if hold is None:
                 return f"no KV blocks are held for request {pull.request_id}"
-            for block_id, block_hash in zip(pull.block_ids, pull.block_hashes, strict=False):
-                if hold.block_id_to_hash.get(block_id) != block_hash:
-                    return f"block {block_id} of {pull.request_id} does not hold the tokens asked"
             if len(pull.block_ids) != len(pull.block_hashes):
                 return "a pull must name one hash per block"
+            for block_id, block_hash in zip(pull.block_ids, pull.block_hashes, strict=True):
+                if hold.block_id_to_hash.get(block_id) != block_hash:
+                    return f"block {block_id} of {pull.request_id} does not hold the tokens asked"
             hold.num_serving += 1
         return None
 
