@@ -158,7 +158,10 @@ def test_a_failed_pull_makes_the_consumer_compute_the_whole_prompt():
 def test_only_blocks_of_the_same_tokens_are_pulled_and_never_the_last_prompt_token():
     scheduler = tcp_scheduler("kv_consumer")
     other = PROMPT[:5] + [999] + PROMPT[6:]  # differs in the second block
-    assert scheduler.connector.get_num_new_matched_tokens(make_request("x", other), 0) == (4, True)
+    mismatched = make_request("x", other, kv_transfer_params=REMOTE)
+    assert scheduler.connector.get_num_new_matched_tokens(mismatched, 0) == (4, True)
+    without_params = make_request("w", PROMPT)
+    assert scheduler.connector.get_num_new_matched_tokens(without_params, 0) == (0, False)
     exact = PROMPT[:12]  # 3 full blocks: the third holds the last token
     request = make_request("y", exact, kv_transfer_params=REMOTE)
     assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (8, True)
