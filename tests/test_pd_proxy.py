@@ -44,13 +44,19 @@ class Upstreams:
 
 def test_a_request_goes_to_prefill_for_one_token_then_to_decode_with_its_params():
     upstreams = Upstreams()
-    body = {"prompt": "hi", "max_tokens": 20, "temperature": 0}
+    body = {"prompt": "hi", "max_tokens": 20, "min_tokens": 4, "temperature": 0}
     with upstreams.client() as client:
         response = client.post("/v1/completions", json=body)
     assert response.status_code == 200
     assert response.json() == {"choices": [{"text": "decoded"}]}
     assert upstreams.bodies["p"] == [
-        {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        {
+            "prompt": "hi",
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
     ]
     assert upstreams.bodies["d"] == [{**body, "kv_transfer_params": PARAMS}]
 

@@ -71,6 +71,7 @@ class PDRouter:
             "kv_transfer_params": {"do_remote_decode": True},
         }
         prefill_body.pop("stream_options", None)
+        prefill_body.pop("min_tokens", None)  # would exceed max_tokens 1
         if "max_completion_tokens" in body:
             prefill_body["max_completion_tokens"] = 1
         try:

@@ -65,6 +65,13 @@ class TcpConnectorWorker:
                 self._read_blocks,
                 float(transfer.tcp_option("send_timeout_s")),
             )
+            logger.info(
+                "KV block server of engine %s on %s:%d (TcpConnector %s)",
+                self.engine_id,
+                self.server.host,
+                self.server.port,
+                transfer.kv_role,
+            )
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
         self._pulls: dict[str, tuple[RequestPull, Future]] = {}
         self._releases: list[Future] = []  # release-only pulls: nothing to report
