@@ -87,6 +87,19 @@ def prompt_block_hashes(
     return hashes
 
 
+# The chain seed of transfer hashes: fixed and public, unlike NONE_HASH, so that two engines
+# (a prefill and a decode instance) agree on them without sharing a secret.
+TRANSFER_HASH_SEED = b"core-engine-kvxf"
+
+
+def transfer_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[BlockHash]:
+    """The hashes that name a prompt's full blocks between engines (prefill/decode
+    disaggregation): equal for equal tokens, block size and salt in every process."""
+    return prompt_block_hashes(token_ids, block_size, TRANSFER_HASH_SEED, cache_salt)
+
+
 def compact_block_hash(block_hash: bytes) -> int:
     """A hash's first 8 bytes as an int: what cores report and routers compare (a 64-bit
     collision costs at most a routing choice, never a wrong KV)."""

@@ -74,13 +74,14 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        """True while a request is unfinished.
+        """True while a request is unfinished, or a finished one's KV blocks are held for a KV
+        connector to send (their release arrives with a step).
 
         Finished ids alone are no reason for a step: they ride along with the next step's
         `SchedulerOutput`, so a finishing request costs no extra round trip to the workers
         (which keep its state a little longer, until that step).
         """
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_kv_transfers_pending()
 
     def step(self) -> EngineCoreOutputs | None:
         """Schedules, executes and applies one step; None when there was nothing to do."""

@@ -34,6 +34,7 @@ from proto import (
     SchedulerStats,
 )
 from proto.kv_transfer import KVConnectorOutput
+from proto.kv_transfer_params import KVTransferParams
 from proto.sampling_params import StructuredOutputs
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -181,9 +182,14 @@ class Scheduler:
             request.status = finished_status
             self._free_request(request)
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> KVTransferParams | None:
+        """Frees (or holds, for the KV connector to send) the request's blocks; returns the
+        connector's kv_transfer_params for the request's final output."""
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        if self.connector is not None and self.connector.request_finished(request, block_ids)[0]:
+        hold, params = False, None
+        if self.connector is not None:
+            hold, params = self.connector.request_finished(request, block_ids)
+        if hold:
             self.external_kv.hold_for_sending(request)
         else:
             self.kv_cache_manager.free(request)
@@ -193,6 +199,7 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         self._num_tokens_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
+        return params
 
     def _take_grammars_to_prepare(self) -> dict[str, StructuredOutputs]:
         """The constraints of WAITING_FOR_FSM requests not yet sent to the workers (each is sent
@@ -221,6 +228,13 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def has_kv_transfers_pending(self) -> bool:
+        """Blocks held for the KV connector to send, or connector work for the workers: both
+        need steps (which idle briefly on the workers) though no request is unfinished."""
+        if self.connector is None:
+            return False
+        return self.external_kv.num_held_for_sending > 0 or self.connector.has_pending_work()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -523,7 +537,7 @@ class Scheduler:
             request.prompt_logprobs = None  # sent with the first output
             if request.is_finished():
                 stopped_ids.add(request_id)
-                self._free_request(request)
+                outputs[-1].kv_transfer_params = self._free_request(request)
         if stopped_ids:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -104,6 +105,7 @@ class OutputProcessor:
         self.error: str | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
         self._choices = [
             ChoiceState(
                 index,
@@ -232,6 +234,7 @@ class OutputProcessor:
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def _apply_stop_strings(self, choice: ChoiceState, num_new_chars: int) -> bool:
@@ -255,6 +258,8 @@ class OutputProcessor:
         choice.stop_reason = output.stop_reason
         if output.error is not None:
             self.error = output.error
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params.to_json_object()
 
     def _take_delta(self, choice: ChoiceState) -> CompletionOutput | None:
         num_sendable_chars = len(choice.text)

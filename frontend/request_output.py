@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from proto import TokenLogprobs
 
@@ -50,6 +51,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Set on the final output of a request a prefill instance holds KV for (a JSON object:
+    # where a decode instance pulls it from; `proto.kv_transfer_params`).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,7 +17,7 @@ import msgspec
 
 from common.dtypes import DTYPE_NAMES
 from proto.endpoints import is_wildcard_host, parse_tcp_address
-from proto.kv_transfer import OFFLOADING_CONNECTOR, KVTransferConfig
+from proto.kv_transfer import OFFLOADING_CONNECTOR, TCP_CONNECTOR, KVTransferConfig
 from proto.speculative_config import SpeculativeConfig
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -172,6 +172,26 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             not offloading or self.enable_prefix_caching,
             f"{OFFLOADING_CONNECTOR} extends prefix-cache hits beyond the pool: it needs "
             "enable_prefix_caching (drop --no-enable-prefix-caching or kv_offloading_size)",
+        )
+        if transfer is not None and transfer.kv_connector == TCP_CONNECTOR:
+            self._check_tcp_connector(transfer)
+
+    def _check_tcp_connector(self, transfer: KVTransferConfig) -> None:
+        _check(
+            self.tensor_parallel_size == 1,
+            f"{TCP_CONNECTOR} serves one worker's KV: it needs tensor_parallel_size 1, got "
+            f"{self.tensor_parallel_size}",
+        )
+        _check(
+            not transfer.is_kv_consumer or self.enable_prefix_caching,
+            f"{TCP_CONNECTOR} as {transfer.kv_role} admits pulled blocks as prefix-cache hits: "
+            "it needs enable_prefix_caching (drop --no-enable-prefix-caching)",
+        )
+        port = transfer.tcp_option("port")
+        _check(
+            self.data_parallel_size == 1 or port == 0,
+            f"{TCP_CONNECTOR}: every data-parallel engine core serves its own KV, so "
+            f"kv_connector_extra_config.port must be 0 (a free port each), got {port}",
         )
 
     def _check_unchunked_prefill(self) -> None:
@@ -419,8 +439,9 @@ FIELD_HELP = {
     ),
     "kv_transfer_config": (
         'JSON, vLLM\'s: {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
-        '"kv_connector_extra_config": {"disk_size_gib": 16}} (None: no connector; '
-        "--kv-offloading-size alone implies the OffloadingConnector)"
+        '"kv_connector_extra_config": {"disk_size_gib": 16}}, or {"kv_connector": "TcpConnector", '
+        '"kv_role": "kv_producer"} (or kv_consumer, kv_both) for prefill/decode disaggregation '
+        "(None: no connector; --kv-offloading-size alone implies the OffloadingConnector)"
     ),
     "kv_offloading_size": (
         "GiB of host memory (all tensor-parallel ranks together) keeping KV blocks that leave "

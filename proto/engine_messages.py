@@ -11,6 +11,7 @@ import enum
 
 import msgspec
 
+from proto.kv_transfer_params import KVTransferParams
 from proto.sampling_params import SamplingParams
 
 
@@ -84,6 +85,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     queue_time_s: float = 0.0  # with the first token: how long the request waited to run
+    # With the final output of a request a prefill instance holds KV for: where to pull it.
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:

@@ -17,13 +17,26 @@ from typing import Any
 import msgspec
 
 OFFLOADING_CONNECTOR = "OffloadingConnector"
-KV_CONNECTORS = (OFFLOADING_CONNECTOR,)
+TCP_CONNECTOR = "TcpConnector"
+KV_CONNECTORS = (OFFLOADING_CONNECTOR, TCP_CONNECTOR)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # kv_connector_extra_config keys each connector accepts, with what they mean.
 OFFLOADING_EXTRA_KEYS = {
     "disk_size_gib": "bound of the disk tier (kv_offloading_path), all ranks together",
 }
 DEFAULT_DISK_SIZE_GIB = 16.0
+TCP_EXTRA_KEYS = {
+    "host": "address the producer's block server listens on and advertises (default 127.0.0.1)",
+    "port": "its TCP port (default 0: a free port, advertised in kv_transfer_params)",
+    "send_timeout_s": "how long a producer holds blocks no consumer pulls (default 120)",
+    "pull_timeout_s": "a consumer's limit on connecting and on each read (default 10)",
+}
+TCP_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 0,
+    "send_timeout_s": 120.0,
+    "pull_timeout_s": 10.0,
+}
 
 
 class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,6 +62,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         )
         if self.kv_connector == OFFLOADING_CONNECTOR:
             self._check_offloading()
+        if self.kv_connector == TCP_CONNECTOR:
+            self._check_tcp()
 
     def _check_offloading(self) -> None:
         _check(
@@ -68,6 +83,43 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             "kv_transfer_config.kv_connector_extra_config.disk_size_gib must be a positive "
             f"number, got {size!r}",
         )
+
+    def _check_tcp(self) -> None:
+        extra = self.kv_connector_extra_config
+        unknown = sorted(set(extra) - set(TCP_EXTRA_KEYS))
+        _check(
+            not unknown,
+            f"kv_transfer_config.kv_connector_extra_config has unknown keys {unknown}; "
+            f"{TCP_CONNECTOR} takes {sorted(TCP_EXTRA_KEYS)}",
+        )
+        prefix = "kv_transfer_config.kv_connector_extra_config."
+        _check(
+            isinstance(self.tcp_option("host"), str) and self.tcp_option("host"),
+            f"{prefix}host must be a non-empty string, got {self.tcp_option('host')!r}",
+        )
+        port = self.tcp_option("port")
+        _check(
+            isinstance(port, int) and 0 <= port < 65536,
+            f"{prefix}port must be in [0, 65535] (0: any free port), got {port!r}",
+        )
+        for name in ("send_timeout_s", "pull_timeout_s"):
+            value = self.tcp_option(name)
+            _check(
+                isinstance(value, int | float) and value > 0,
+                f"{prefix}{name} must be a positive number of seconds, got {value!r}",
+            )
+
+    def tcp_option(self, name: str) -> Any:
+        """A TcpConnector option, its default when not given."""
+        return self.kv_connector_extra_config.get(name, TCP_DEFAULTS[name])
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
 
     @property
     def disk_size_gib(self) -> float:
@@ -145,8 +197,44 @@ class OffloadingConnectorMetadata(msgspec.Struct, array_like=True, gc=False, tag
         return not (self.loads or self.stores or self.disk_deletes)
 
 
-# One member per connector (a tagged union once there are several).
-KVConnectorMetadata = OffloadingConnectorMetadata
+class RequestSend(msgspec.Struct, array_like=True, gc=False):
+    """A finished request whose prompt blocks the producer's block server serves: device blocks
+    `block_ids`, their transfer hashes `block_hashes` (one each), until a consumer releases
+    them or `send_timeout_s` passes; then the request is reported in `finished_sending`."""
+
+    req_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+class RequestPull(msgspec.Struct, array_like=True, gc=False):
+    """Pull the blocks a producer holds for `remote_request_id` into device blocks
+    `local_block_ids` (in order: remote block i -> local block i, the transfer hash of each in
+    `block_hashes`), then release them. With no blocks it only releases them (the consumer
+    needs none: a local prefix hit covered them, or the request ended first)."""
+
+    req_id: str
+    host: str
+    port: int
+    engine_id: str
+    remote_request_id: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+class TcpConnectorMetadata(msgspec.Struct, array_like=True, gc=False, tag="tcp"):
+    """One step's work for the TcpConnector's worker side: blocks to serve (producer) and to
+    pull (consumer); pulls run in the background over several steps. `idle`: the step runs no
+    request, so the worker may wait a little for a transfer to end rather than spin."""
+
+    sends: list[RequestSend] = msgspec.field(default_factory=list)
+    pulls: list[RequestPull] = msgspec.field(default_factory=list)
+    idle: bool = False
+
+
+# One member per connector.
+KVConnectorMetadata = OffloadingConnectorMetadata | TcpConnectorMetadata
 
 
 class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -172,12 +260,17 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 class KVConnectorHandshake(msgspec.Struct, array_like=True, gc=False):
     """A worker's side of the connector at start-up: the bytes of one block on this rank, how
     many blocks its host tier and its disk tier hold, and the blocks already on its disk (from
-    an earlier run; least recently written first)."""
+    an earlier run; least recently written first); for the TcpConnector, its block server."""
 
     bytes_per_block: int
     num_host_blocks: int
     num_disk_blocks: int = 0
     disk_block_hashes: list[bytes] = msgspec.field(default_factory=list)
+    # TcpConnector, a producer: where its block server listens, and its engine id (a new one
+    # per start, so a restarted producer never serves a pull meant for its predecessor).
+    transfer_host: str = ""
+    transfer_port: int = 0
+    engine_id: str = ""
 
 
 def _check(condition: bool, message: str) -> None:

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from proto.kv_transfer_params import KVTransferParams
+
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
 MAX_REPETITION_PENALTY = 10.0
@@ -92,6 +94,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     # Mixed into the hash of the prompt's first KV block, so only requests with the same salt
     # share prefix-cache entries (one tenant cannot time another's prompts).
     cache_salt: str | None = None
+    # Prefill/decode disaggregation (vLLM's field): ask a prefill instance to hold the
+    # prompt's KV for a decode instance, or tell a decode instance where to pull it from.
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         # Messages are formatted only on failure: this runs in every process a request crosses.
@@ -170,6 +175,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.kv_transfer_params is not None and self.n != 1:
+            raise ValueError(
+                f"kv_transfer_params hands over one sequence's KV: n must be 1, got {self.n}"
+            )
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):

@@ -18,7 +18,7 @@ from proto.engine_messages import TokenLogprobs
 from proto.kv_transfer import KVConnectorHandshake, KVConnectorMetadata, KVConnectorOutput
 from proto.sampling_params import SamplingParams, StructuredOutputs
 
-WORKER_PROTOCOL_VERSION = 4
+WORKER_PROTOCOL_VERSION = 5
 """Raised whenever a message of this link changes shape (EngineConfig included): a worker on
 another host runs its own copy of the engine, and the core admits only its own version."""
 

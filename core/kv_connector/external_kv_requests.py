@@ -90,6 +90,10 @@ class ExternalKVRequests:
         loading.request.status = loading.status_after
         return loading.request
 
+    @property
+    def num_held_for_sending(self) -> int:
+        return len(self._held_for_sending)
+
     def hold_for_sending(self, request: Request) -> None:
         """A finished request whose blocks the connector reads until `finished_sending`."""
         self._held_for_sending[request.request_id] = request

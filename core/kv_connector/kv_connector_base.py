@@ -20,12 +20,13 @@ A step, as the scheduler drives it:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from core.kv_cache_manager import KVCacheBlocks
 from core.request import Request
 from proto import SchedulerOutput
 from proto.kv_transfer import KVConnectorMetadata, KVConnectorOutput
+from proto.kv_transfer_params import KVTransferParams
 
 
 class KVConnectorBase(Protocol):
@@ -51,15 +52,20 @@ class KVConnectorBase(Protocol):
         """This step's work for the workers; resets the step's pending work."""
         ...
 
+    def has_pending_work(self) -> bool:
+        """Whether work not yet in a step's metadata must reach the workers even if no request
+        runs (a step is then scheduled for it)."""
+        ...
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The workers' report of the step whose metadata was built last."""
         ...
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         """(whether to keep the blocks until `finished_sending` names the request, its
-        kv_transfer_params)."""
+        kv_transfer_params for the client: where a decode instance pulls them from)."""
         ...
 
     def stats_fields(self) -> dict[str, int | float]:

@@ -9,17 +9,18 @@ import os
 from common.block_hash import PREFIX_HASH_SEED_ENV, BlockHash
 from core.kv_cache_spec import KVCacheConfig
 from core.kv_connector.offloading_connector import OffloadingConnector
+from core.kv_connector.tcp_connector import TcpConnector
 from core.kv_connector.tier_index import TierIndex
 from proto import WorkerReady
 from proto.engine_config import EngineConfig
-from proto.kv_transfer import KVConnectorHandshake
+from proto.kv_transfer import TCP_CONNECTOR, KVConnectorHandshake
 
 logger = logging.getLogger(__name__)
 
 
 def make_kv_connector(
     config: EngineConfig, readies: list[WorkerReady], kv_cache_config: KVCacheConfig
-) -> OffloadingConnector | None:
+) -> OffloadingConnector | TcpConnector | None:
     """None without `kv_transfer_config`. ValueError for a model with several KV cache groups
     (sliding-window layers): the tiers hold one full-attention block per hash, so a hybrid
     model runs the connector only with `disable_hybrid_kv_cache` (one group of every layer)."""
@@ -33,6 +34,8 @@ def make_kv_connector(
             "every layer one group"
         )
     handshakes = [_handshake(ready) for ready in readies]
+    if config.kv_transfer_config.kv_connector == TCP_CONNECTOR:
+        return TcpConnector(config.kv_transfer_config, config.block_size, handshakes[0])
     bytes_per_block = sum(h.bytes_per_block for h in handshakes)
     host = TierIndex(_num_blocks("kv_offloading_size", config.kv_offloading_size, handshakes))
     disk = None

@@ -16,7 +16,6 @@ Only full-attention models (one KV cache group): see `make_kv_connector`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from common.block_hash import BlockHash
 from core.kv_cache_manager import KVCacheBlocks
@@ -30,6 +29,7 @@ from proto.kv_transfer import (
     OffloadingConnectorMetadata,
     RequestLoad,
 )
+from proto.kv_transfer_params import KVTransferParams
 
 
 @dataclass(slots=True)
@@ -202,6 +202,10 @@ class OffloadingConnector:
 
     # ---- reports and ends ------------------------------------------------------------------
 
+    def has_pending_work(self) -> bool:
+        """False: loads are planned for requests that wait (and so step), stores in steps."""
+        return False
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The step's transfers are done: its pins go; bad hashes are forgotten; a request
         whose load failed is never offered external tokens again."""
@@ -224,7 +228,7 @@ class OffloadingConnector:
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         """Nothing to hold: every block was stored in the step that computed it."""
         self._requests.pop(request.request_id, None)
         return False, None

@@ -136,6 +136,7 @@ def _chat_response(
         prompt_logprobs=(
             vllm_prompt_logprobs(engine, final) if body.prompt_logprobs is not None else None
         ),
+        kv_transfer_params=final.kv_transfer_params,
     )
 
 

@@ -57,7 +57,13 @@ async def create_completion(
     total_usage = usage(finals)
     if body.scores_prompt_only:
         total_usage = UsageInfo.of(total_usage.prompt_tokens, 0)
-    return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=total_usage)
+    return CompletionResponse(
+        id=request_id,
+        model=model_name,
+        choices=choices,
+        usage=total_usage,
+        kv_transfer_params=finals[0].kv_transfer_params,
+    )
 
 
 def _completion_choices(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from proto.engine_config import EngineConfig
+from proto.kv_transfer import TCP_CONNECTOR
 from worker.kv_connector.disk_kv_tier import DiskKVTier
 from worker.kv_connector.kv_block_layout import KVBlockLayout
 from worker.kv_connector.offloading_connector_worker import OffloadingConnectorWorker
+from worker.kv_connector.tcp_connector_worker import TcpConnectorWorker
 
 GIB = 2**30
 
@@ -17,11 +19,13 @@ def make_kv_connector_worker(
     layout: KVBlockLayout,
     dtype: torch.dtype,
     device: torch.device,
-) -> OffloadingConnectorWorker | None:
+) -> OffloadingConnectorWorker | TcpConnectorWorker | None:
     """None without `kv_transfer_config`; the tier budgets are split evenly over the ranks."""
     transfer = config.kv_transfer_config
     if transfer is None:
         return None
+    if transfer.kv_connector == TCP_CONNECTOR:
+        return TcpConnectorWorker(transfer, layout, dtype, device)
     world_size = layout.tp_size
     disk = None
     disk_bytes = 0.0

@@ -144,6 +144,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -60,6 +60,15 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"best_of must equal n ({self.n}) on this server, got {self.best_of}")
         return self
 
+    @model_validator(mode="after")
+    def _one_prompt_with_kv_transfer(self) -> CompletionRequest:
+        if self.kv_transfer_params is not None and len(self.prompts()) > 1:
+            raise ValueError(
+                "kv_transfer_params hands over one prompt's KV: send one prompt, got "
+                f"{len(self.prompts())}"
+            )
+        return self
+
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one entry per string or per token id list."""
         if isinstance(self.prompt, str):
@@ -118,3 +127,4 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None

@@ -28,6 +28,7 @@ from frontend.openai.protocol.base import (
     refusing,
 )
 from proto import SamplingParams
+from proto.kv_transfer_params import KVTransferParams
 from proto.sampling_params import MAX_LOGPROBS, StructuredOutputs
 
 # Fields of OpenAI's and vLLM's request APIs that this server does not implement, with the
@@ -139,6 +140,7 @@ class SamplingFields(RequestBody):
     length_penalty: Any = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
@@ -246,6 +248,7 @@ class SamplingFields(RequestBody):
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             bad_words=list(self.bad_words or []),
             cache_salt=self.cache_salt,
+            kv_transfer_params=KVTransferParams.parse(self.kv_transfer_params),
             **{name: value for name, value in optional.items() if value is not None},
         )
 
