@@ -96,3 +96,19 @@ def test_a_request_the_prefill_instance_refuses_is_answered_with_its_error():
     assert response.status_code == 400
     assert response.json() == {"error": {"message": "no"}}
     assert upstreams.bodies["d"] == []
+
+
+def test_without_httpx_core_pd_proxy_says_which_extra_to_install():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['httpx'] = None\n"
+        "from frontend.openai.pd_proxy_cli import main\n"
+        "main(['--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 1
+    assert "pip install 'core-engine[pd]'" in result.stderr

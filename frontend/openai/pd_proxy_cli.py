@@ -11,8 +11,6 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from frontend.openai.pd_proxy import build_proxy_app
-
 DEFAULT_HOST = "0.0.0.0"
 DEFAULT_PORT = 8000
 
@@ -42,6 +40,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = getattr(args, name)
         if not url.startswith(("http://", "https://")):
             raise SystemExit(f"--{name} must be an http:// or https:// URL, got {url!r}")
+    try:
+        from frontend.openai.pd_proxy import build_proxy_app
+    except ModuleNotFoundError as exc:
+        if exc.name != "httpx":
+            raise
+        raise SystemExit(
+            "core-pd-proxy needs httpx, an optional dependency: pip install 'core-engine[pd]'"
+        ) from None
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
