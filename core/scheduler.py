@@ -23,6 +23,7 @@ from core.spec_decode.draft_verification import (
 )
 from core.spec_decode.drafter import Drafter
 from core.spec_decode.spec_decoding_stats import SpecDecodingStats
+from core.stop_checks import append_until_stop
 from proto import (
     CachedRequestData,
     EngineCoreOutput,
@@ -517,7 +518,7 @@ class Scheduler:
             if drafts:
                 num_accepted = roll_back_rejected_drafts(request, drafts, sampled_token_ids)
                 self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
-            new_token_ids = self._append_until_stop(request, sampled_token_ids)
+            new_token_ids = append_until_stop(request, sampled_token_ids, self.max_model_len)
             self.num_generation_tokens += len(new_token_ids)
             token_logprobs = logprobs[index] if logprobs is not None else None
             outputs.append(
@@ -551,40 +552,6 @@ class Scheduler:
         for request in self.external_kv.finish_loads(output):
             self.waiting.add_request_in_arrival_order(request)
         self.external_kv.release_sent(output.finished_sending)
-
-    def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
-        new_token_ids = []
-        for token_id in sampled_token_ids:
-            request.append_output_token_ids(token_id)
-            new_token_ids.append(token_id)
-            if self._check_stop(request):
-                break
-        return new_token_ids
-
-    def _check_stop(self, request: Request) -> bool:
-        """Sets a finished status if the request's last token ends it.
-
-        From min_tokens on, eos (unless ignore_eos) and stop_token_ids are checked before the
-        length limits: a request whose last allowed token is eos finished because of the eos.
-        Then the length limits (max_tokens, max_model_len).
-        """
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            last_token_id = request.output_token_ids[-1]
-            if not params.ignore_eos and last_token_id == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last_token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last_token_id
-                return True
-        max_tokens = request.max_tokens
-        if request.num_tokens >= self.max_model_len or (
-            max_tokens is not None and request.num_output_tokens >= max_tokens
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def get_stats(self) -> SchedulerStats:
         prefix_stats = self.kv_cache_manager.prefix_cache_stats
