@@ -11,10 +11,11 @@ Block hashes travel as the 16 raw bytes of `common.block_hash.BlockHash`.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
+
+from proto.json_struct import parse_json_struct
 
 OFFLOADING_CONNECTOR = "OffloadingConnector"
 TCP_CONNECTOR = "TcpConnector"
@@ -136,21 +137,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ) -> KVTransferConfig | None:
         """From a config, a dict, or JSON text (the CLI flag); None stays None. Raises
         ValueError naming the field that is wrong."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"kv_transfer_config must be a JSON object, got {type(value).__name__}"
-            )
-        try:
-            return msgspec.convert(value, cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"invalid kv_transfer_config: {exc}") from exc
+        return parse_json_struct(cls, value, "kv_transfer_config")
 
 
 class BlockLoad(msgspec.Struct, array_like=True, gc=False):

@@ -20,10 +20,11 @@ drafts at 16 requests in flight and lost 0.92x at 32; None drafts at any batch s
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
+
+from proto.json_struct import parse_json_struct
 
 SPECULATIVE_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
@@ -125,21 +126,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         """From a config, a dict, or JSON text (the CLI flag); None stays None.
 
         Raises ValueError naming the field that is wrong."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"speculative_config must be a JSON object, got {type(value).__name__}"
-            )
-        try:
-            return msgspec.convert(value, cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"invalid speculative_config: {exc}") from exc
+        return parse_json_struct(cls, value, "speculative_config")
 
 
 def _check(condition: bool, message: str) -> None:
