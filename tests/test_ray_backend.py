@@ -56,7 +56,12 @@ def ray_cluster():
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES},
+        # No dashboard: the tests read Ray's state through its API only.
+        head_node_args={
+            "num_cpus": 0,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+        },
     )
     for _ in range(NUM_NODES):
         add_node(cluster)
