@@ -518,6 +518,7 @@ class Scheduler:
             if drafts:
                 num_accepted = roll_back_rejected_drafts(request, drafts, sampled_token_ids)
                 self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
+                self.drafter.observe_verification(request, len(drafts), num_accepted)
             new_token_ids = append_until_stop(request, sampled_token_ids, self.max_model_len)
             self.num_generation_tokens += len(new_token_ids)
             token_logprobs = logprobs[index] if logprobs is not None else None

@@ -84,13 +84,15 @@ KV_CACHE_ENV = "CORE_ENGINE_KV_CACHE_MEMORY_BYTES"
 # ---- the plan --------------------------------------------------------------------------------
 
 
-def run_plan(workload: DecodeWorkload, batch_sizes: list[str]) -> list[tuple[str, int, int]]:
+def run_plan(
+    workload: DecodeWorkload, batch_sizes: list[str], min_prompts: int = MIN_PROMPTS_PER_RUN
+) -> list[tuple[str, int, int]]:
     """(batch label, concurrency, prompts sent) per batch size, for one workload."""
     plan = []
     for batch in batch_sizes:
         concurrency = None if batch == SATURATION else int(batch)
         num_prompts = num_prompts_for(
-            workload.num_prompts, concurrency, MIN_PROMPTS_PER_RUN, ROUNDS_PER_RUN
+            workload.num_prompts, concurrency, min_prompts, ROUNDS_PER_RUN
         )
         plan.append((batch, concurrency or num_prompts, num_prompts))
     return plan
@@ -143,7 +145,9 @@ async def measure_engine(
                                  WARM_UP_MAX_TOKENS, ignore_eos=False)  # fmt: skip
         for repeat in range(args.repeats):
             for workload in workloads:
-                for batch, concurrency, num_prompts in run_plan(workload, args.batch_sizes):
+                for batch, concurrency, num_prompts in run_plan(
+                    workload, args.batch_sizes, args.min_prompts
+                ):
                     for arm in arms:
                         run, counts = await arm.run(workload, num_prompts, concurrency)
                         measurement = Measurement("engine", arm.label, workload.name, batch,
@@ -212,7 +216,9 @@ def run_vllm_arm(arm, args: argparse.Namespace, workloads: list[DecodeWorkload])
     measurements = []
     for repeat in range(args.repeats):
         for workload in workloads:
-            for batch, concurrency, num_prompts in run_plan(workload, args.batch_sizes):
+            for batch, concurrency, num_prompts in run_plan(
+                workload, args.batch_sizes, args.min_prompts
+            ):
                 run, counts = arm.run(workload, num_prompts, concurrency)
                 measurement = Measurement("vllm", arm.label, workload.name, batch,
                                           concurrency, repeat, run, counts)  # fmt: skip
@@ -249,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"requests in flight, or '{SATURATION}' for every prompt at once "
                         f"(default: {' '.join(FULL_BATCH_SIZES)}; --quick "
                         f"{' '.join(QUICK_BATCH_SIZES)})")  # fmt: skip
+    parser.add_argument("--min-prompts", type=int, default=MIN_PROMPTS_PER_RUN,
+                        help="prompts a small-batch run sends at least (default "
+                        f"{MIN_PROMPTS_PER_RUN}: every chat task once; 32: every chat)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every arm per workload and batch; medians reported")  # fmt: skip
     parser.add_argument("--kv-cache-gib", type=float, default=None,
@@ -278,6 +287,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if batch != SATURATION and not (batch.isdigit() and int(batch) >= 1):
             parser.error(f"--batch-sizes takes integers >= 1 or '{SATURATION}', got {batch!r}")
     args.batch_sizes = list(dict.fromkeys(args.batch_sizes))
+    if args.min_prompts < 1:
+        parser.error(f"--min-prompts must be >= 1, got {args.min_prompts}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
@@ -348,7 +359,7 @@ def build_result(args, machine, dtype, workloads, measurements, vllm_records) ->
                 "num_prompt_tokens": sum(map(len, w.prompt_token_ids)),
                 "max_tokens": w.max_tokens,
                 "ignore_eos": w.ignore_eos,
-                "runs": [list(step) for step in run_plan(w, args.batch_sizes)],
+                "runs": [list(step) for step in run_plan(w, args.batch_sizes, args.min_prompts)],
             }
             for w in workloads
         ],  # fmt: skip

@@ -1184,6 +1184,8 @@ def test_run_plan_sends_two_rounds_per_batch_and_everything_at_saturation():
     plan = run_plan(workload, ["1", "4", "16", SATURATION_BATCH])
     assert plan == [("1", 1, 8), ("4", 4, 8), ("16", 16, 32), (SATURATION_BATCH, 64, 64)]
     assert num_prompts_for(6, 4, min_prompts=8, rounds=2) == 6  # never more than there are
+    every_chat = run_plan(workload, ["1", "4"], min_prompts=32)
+    assert every_chat == [("1", 1, 32), ("4", 4, 32)]
 
 
 def test_speculative_configs_default_and_override():

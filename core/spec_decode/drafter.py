@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from core.request import Request
+from core.spec_decode.draft_length import AdaptiveDraftLength
 from core.spec_decode.ngram_proposer import NgramProposer
 from core.spec_decode.suffix_proposer import SuffixProposer
 from proto.speculative_config import SpeculativeConfig
@@ -27,7 +28,9 @@ class Drafter:
     past a limit: at most `num_speculative_tokens`, and at most one token fewer than the
     request may still generate (the step samples one token after the accepted drafts), by
     `max_tokens` and by `max_model_len`. No request gets drafts in a step whose running batch
-    holds `disable_by_batch_size` requests or more.
+    holds `disable_by_batch_size` requests or more. With n-gram drafts a request's limit also
+    follows its acceptance (`AdaptiveDraftLength`, fed by `observe_verification`); suffix
+    decoding sizes each draft from its match already.
     """
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
@@ -35,6 +38,9 @@ class Drafter:
         self.max_model_len = max_model_len
         self.num_speculative_tokens = config.num_lookahead_tokens
         self.proposer = make_proposer(config)
+        self.draft_length = (
+            AdaptiveDraftLength(self.num_speculative_tokens) if config.method == "ngram" else None
+        )
 
     def propose_drafts(self, running: list[Request]) -> None:
         """Replaces every running request's drafts (none for those that may not draft)."""
@@ -53,12 +59,22 @@ class Drafter:
         num_left = self.max_model_len - request.num_tokens
         if request.max_tokens is not None:
             num_left = min(num_left, request.max_tokens - request.num_output_tokens)
-        return max(0, min(self.num_speculative_tokens, num_left - 1))
+        limit = self.num_speculative_tokens
+        if self.draft_length is not None:
+            limit = self.draft_length.length(request.request_id)
+        return max(0, min(limit, num_left - 1))
+
+    def observe_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """What the last step's verification of `request`'s drafts kept."""
+        if self.draft_length is not None:
+            self.draft_length.observe(request.request_id, num_drafts, num_accepted)
 
     def remove_request(self, request: Request) -> None:
         """Drops what the proposer keeps for a finished request (suffix decoding caches its
-        output for later requests)."""
+        output for later requests) and the request's draft length."""
         self.proposer.remove_request(request)
+        if self.draft_length is not None:
+            self.draft_length.remove(request.request_id)
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
