@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -297,6 +298,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus", type=int, nargs=2, default=None, metavar=("PREFILL", "DECODE"),
                         help="the CPUs of the prefill and the decode instance "
                         "(default: the first two usable)")  # fmt: skip
+    parser.add_argument("--long-interval-s", type=float, default=None,
+                        help="seconds between long prompts (default: 2.5, --quick 0.5)")  # fmt: skip
+    parser.add_argument("--decode-output-tokens", type=int, nargs=2, default=None,
+                        metavar=("LOW", "HIGH"),
+                        help="the decode streams' output lengths (default: 384 512, --quick "
+                        "48 64); longer streams see more long prompts")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=None,
                         help="default: benchmarks/results/<this CPU's SIMD flag>/")  # fmt: skip
@@ -309,7 +316,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{cpu_list_text(usable)}, asked: {args.cpus}"
         )
     args.arms = [ONE] + [ARM_NAMES[name] for name in args.arms if name != "one"]
+    try:
+        args.shape = workload_shape(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
+
+
+def workload_shape(args: argparse.Namespace) -> WorkloadShape:
+    """The --quick or full shape with the command line's overrides; ValueError names a bad one."""
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    if args.long_interval_s is not None:
+        shape = dataclasses.replace(shape, long_interval_s=args.long_interval_s)
+    if args.decode_output_tokens is not None:
+        shape = dataclasses.replace(shape, decode_output_tokens=tuple(args.decode_output_tokens))
+    return shape
 
 
 def engine_flags(
@@ -333,7 +354,7 @@ def engine_flags(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    shape = args.shape
     from frontend.text.tokenizer import load_tokenizer
 
     encode = load_tokenizer(resolve_model_path(args.model)).encode

@@ -128,7 +128,9 @@ def _conditions(result: dict) -> str:
         f"{shape['long_output_tokens']} output tokens, the first at "
         f"{shape['first_long_offset_s']:g} s. ITL: the gaps between streamed chunks of the "
         "decode streams; TPOT: each stream's time after its first token over its tokens after "
-        "the first, averaged. Every request goes through the arm's one URL (the proxy for "
+        "the first, averaged; long prompts during decode: those whose first token came "
+        "while every decode stream still ran (fewer than all: part of the long prompts' work "
+        "missed the streams). Every request goes through the arm's one URL (the proxy for "
         "the disaggregated arm); each arm gets one warm-up request first.",
         "- Every server: `core-serve " + " ".join(result["engine_flags"]) + "`.",
         _mismatch_line(result["rows"]),

@@ -61,12 +61,12 @@ class WorkloadShape:
 FULL_SHAPE = WorkloadShape(
     num_decode_streams=6,
     decode_prompt_tokens=(16, 48),
-    decode_output_tokens=(192, 256),
+    decode_output_tokens=(384, 512),
     num_long_prompts=8,
     long_prompt_tokens=(1000, 1500),
     long_output_tokens=8,
-    first_long_offset_s=1.0,
-    long_interval_s=1.5,
+    first_long_offset_s=2.0,
+    long_interval_s=2.5,
 )
 QUICK_SHAPE = WorkloadShape(
     num_decode_streams=3,
@@ -161,11 +161,15 @@ def long_prompt_stats(results: Sequence[StreamedCompletion]) -> dict:
 def num_long_prompts_during_decode(
     decode: Sequence[StreamedCompletion], long: Sequence[StreamedCompletion]
 ) -> int:
-    """Long prompts sent while every decode stream was still running: the ones whose prefill
-    could stall all of them. Fewer than all means the decode streams were too short for this
-    machine's speed."""
+    """Long prompts whose first token came while every decode stream was still running: their
+    prompt was computed (one instance) or pulled and finished (the decode instance) beside the
+    streams, so any stall it caused is in the streams' ITL. Fewer than all means the streams
+    were too short for this machine's speed, or the long prompts queued too long."""
     first_decode_end_s = min(result.end_s for result in decode)
-    return sum(result.start_s < first_decode_end_s for result in long)
+    return sum(
+        bool(result.chunk_times_s) and result.chunk_times_s[0] < first_decode_end_s
+        for result in long
+    )
 
 
 def text_mismatches(reference: Sequence[str], texts: Sequence[str]) -> list[dict]:

@@ -1583,9 +1583,11 @@ def test_itl_statistics_keep_the_stall_and_tpot_spans_the_tokens_after_the_first
     assert stats["ttft_ms"]["p50"] == pytest.approx(150.0)
 
 
-def test_long_prompts_during_decode_count_those_sent_before_the_first_stream_ended():
+def test_long_prompts_during_decode_count_those_answered_before_the_first_stream_ended():
     decode = [streamed(0.0, [1.0, 4.0], 2), streamed(0.0, [1.0, 6.0], 2)]  # ends 4.01, 6.01
-    long = [streamed(start, [start + 1.0], 1) for start in (1.0, 4.0, 5.0)]
+    # first tokens at 2.0 and 3.9 (in), 4.5 (after the first stream ended), none (failed)
+    long = [streamed(start, [start + 1.0], 1) for start in (1.0, 2.9, 3.5)]
+    long.append(StreamedCompletion(0.5, 9.0, [], "", 0, 0, error="HTTP 503"))
     assert num_long_prompts_during_decode(decode, long) == 2
 
 
@@ -1656,6 +1658,49 @@ def test_pd_args_put_one_instance_first_and_need_two_cpus(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             bench_pd_disaggregation.parse_args(bad)
         assert "needs two distinct usable CPUs; usable: 0-2" in capsys.readouterr().err
+    assert args.shape.decode_output_tokens == (384, 512) and args.shape.long_interval_s == 2.5
+    quick = bench_pd_disaggregation.parse_args(
+        ["--quick", "--long-interval-s", "4", "--decode-output-tokens", "10", "20"]
+    )
+    assert quick.shape.long_interval_s == 4.0 and quick.shape.decode_output_tokens == (10, 20)
+    assert quick.shape.long_prompt_tokens == (300, 400)  # the rest of the quick shape
+    with pytest.raises(SystemExit):
+        bench_pd_disaggregation.parse_args(["--long-interval-s", "0"])
+    assert "long_interval_s > 0, got 2.0 and 0.0" in capsys.readouterr().err
+
+
+class RecordingServer:
+    """A context manager that records entering and leaving, or fails on entering."""
+
+    def __init__(self, name: str, events: list[str], fail: bool = False) -> None:
+        self.name, self.events, self.fail = name, events, fail
+
+    def __enter__(self) -> str:
+        if self.fail:
+            raise RuntimeError(f"{self.name} never got healthy")
+        self.events.append(f"enter {self.name}")
+        return f"http://{self.name}"
+
+    def __exit__(self, *exc_info) -> None:
+        self.events.append(f"exit {self.name}")
+
+
+def test_servers_started_together_are_all_stopped_when_one_fails():
+    import contextlib
+
+    events: list[str] = []
+    with contextlib.ExitStack() as stack:
+        urls = bench_pd_disaggregation.enter_together(
+            stack, [RecordingServer("a", events), RecordingServer("b", events)]
+        )
+        assert urls == ["http://a", "http://b"]
+    assert sorted(events) == ["enter a", "enter b", "exit a", "exit b"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="b never got healthy"), contextlib.ExitStack() as stack:
+        bench_pd_disaggregation.enter_together(
+            stack, [RecordingServer("a", events), RecordingServer("b", events, fail=True)]
+        )
+    assert events == ["enter a", "exit a"]
 
 
 def test_pd_servers_hold_the_whole_workload_and_pinned_workers_get_one_thread(monkeypatch):
