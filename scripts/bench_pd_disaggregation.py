@@ -19,7 +19,9 @@ Reported per arm: the decode streams' inter-token latency (p50/p90/p99/max: the 
 the tail), TPOT and TTFT, the long prompts' TTFT, the total time, and the ratios against one
 instance; the greedy texts of every arm are compared with one instance's and any mismatch is
 reported. The benchmark client and the proxy are not pinned: they share the cores with the
-servers (a server's HTTP frontend and engine core run on its worker's core).
+servers (a server's HTTP frontend and engine core run on its worker's core). Run it on a quiet
+machine: a worker with several threads slows down by far the most when other processes share
+its cores, so each arm records the load average when it started.
 
     python -m scripts.bench_pd_disaggregation [--quick] [--arms one disaggregated single-core]
 """
@@ -262,6 +264,7 @@ def measure_arm(
     arm: str, engine_flags: Sequence[str], cpu_ids: Sequence[int], requests, warm_up
 ) -> dict:
     print(f"--- {arm}", flush=True)
+    load_average_1m = os.getloadavg()[0]  # other load on the cores skews one arm, not all
     with tempfile.TemporaryDirectory(prefix="bench-pd-") as folder:
         log_dir = Path(folder)
         with arm_url(arm, engine_flags, cpu_ids, log_dir) as url:
@@ -269,6 +272,7 @@ def measure_arm(
         row = summarize_arm(arm, requests, results, total_s)
         row["worker_threads"] = worker_threads(log_dir)
     row["placement"] = placement(arm, cpu_ids)
+    row["load_average_1m_at_start"] = load_average_1m
     decode = row["decode"]
     print(
         f"decode ITL p50/p99/max {decode['itl_ms']['p50']:.0f}/{decode['itl_ms']['p99']:.0f}/"

@@ -119,6 +119,7 @@ def _conditions(result: dict) -> str:
     lines = [
         f"- **{row['arm']}**: {row['placement']}; worker threads by server: "
         + ", ".join(f"{name} {threads}" for name, threads in row["worker_threads"].items())
+        + f"; load average {row['load_average_1m_at_start']:.1f} when the arm started"
         for row in result["rows"]
     ]
     shape = result["workload"]

@@ -1616,6 +1616,7 @@ def pd_row(arm: str, itl_ms: list[float], long_ttft_ms: float, total_s: float, t
         "long_texts": ["L"],
         "placement": f"{arm} somewhere",
         "worker_threads": {"one": 2},
+        "load_average_1m_at_start": 0.5,
     }
 
 
@@ -1645,7 +1646,8 @@ def test_pd_report_compares_texts_and_divides_by_one_instance():
     assert baseline_row in markdown
     assert "| disaggregated | 2.00x | 0.22x | 0.25x | 2.00x | 3.00x | 1.25x |" in markdown
     assert "disaggregated: decode request 1 from character 0" in markdown
-    assert "`core-serve --device cpu`" in markdown and "disaggregated somewhere" in markdown
+    assert "`core-serve --device cpu`" in markdown
+    assert "disaggregated somewhere; worker threads by server: one 2; load average 0.5" in markdown
 
 
 def test_pd_args_put_one_instance_first_and_need_two_cpus(monkeypatch, capsys):
