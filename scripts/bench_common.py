@@ -411,14 +411,15 @@ def read_metrics(url: str) -> dict[str, float]:
 class StreamedCompletion:
     """Timings of one streamed /v1/completions request (monotonic seconds).
 
-    `chunk_times_s` holds the arrival time of every SSE chunk that carried generated text; the
-    token counts come from the final usage chunk. `error` is None for a request that streamed
-    to `[DONE]` with HTTP 200 and no error event.
+    `chunk_times_s` holds the arrival time of every SSE chunk that carried generated text, and
+    `text` that text joined; the token counts come from the final usage chunk. `error` is None
+    for a request that streamed to `[DONE]` with HTTP 200 and no error event.
     """
 
     start_s: float
     end_s: float = 0.0
     chunk_times_s: list[float] | None = None
+    text: str = ""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
@@ -468,8 +469,10 @@ def _handle_sse_line(line: str, result: StreamedCompletion) -> None:
     if "error" in event:
         result.error = str(event["error"].get("message", event["error"]))
         return
-    if any(choice.get("text") for choice in event.get("choices", ())):
+    text = "".join(choice.get("text") or "" for choice in event.get("choices", ()))
+    if text:
         result.chunk_times_s.append(time.monotonic())
+        result.text += text
     if usage := event.get("usage"):
         result.num_prompt_tokens = usage["prompt_tokens"]
         result.num_output_tokens = usage["completion_tokens"]
