@@ -411,9 +411,10 @@ def read_metrics(url: str) -> dict[str, float]:
 class StreamedCompletion:
     """Timings of one streamed /v1/completions request (monotonic seconds).
 
-    `chunk_times_s` holds the arrival time of every SSE chunk that carried generated text; the
-    token counts come from the final usage chunk. `error` is None for a request that streamed
-    to `[DONE]` with HTTP 200 and no error event.
+    `chunk_times_s` holds the arrival time of every SSE chunk that carried generated text, and
+    `text` that text joined (all choices': meant for one-choice requests); the token counts
+    come from the final usage chunk. `error` is None for a request that streamed to `[DONE]`
+    with HTTP 200 and no error event.
     """
 
     start_s: float
@@ -422,6 +423,7 @@ class StreamedCompletion:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    text: str = ""
 
     @property
     def ttft_s(self) -> float:
@@ -468,8 +470,10 @@ def _handle_sse_line(line: str, result: StreamedCompletion) -> None:
     if "error" in event:
         result.error = str(event["error"].get("message", event["error"]))
         return
-    if any(choice.get("text") for choice in event.get("choices", ())):
+    texts = [choice.get("text") or "" for choice in event.get("choices", ())]
+    if any(texts):
         result.chunk_times_s.append(time.monotonic())
+        result.text += "".join(texts)
     if usage := event.get("usage"):
         result.num_prompt_tokens = usage["prompt_tokens"]
         result.num_output_tokens = usage["completion_tokens"]
