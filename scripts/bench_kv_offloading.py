@@ -97,11 +97,13 @@ class Reply:
 
 @dataclass(slots=True)
 class ArmRun:
-    """An arm's replies in order, its wall time, and its counters over the measured part."""
+    """An arm's replies in order, its wall time, its counters over the measured part, and the
+    warning and error lines of its server's log."""
 
     replies: list[Reply] = field(default_factory=list)
     total_s: float = 0.0
     counters: dict[str, float] = field(default_factory=dict)
+    server_warnings: list[str] = field(default_factory=list)
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -167,6 +169,7 @@ def chat_arm(
         asyncio.run(send_all(url, [warm_up_prompt(encode, "chat")], WARM_UP_MAX_TOKENS))
         run, after_first_visits = asyncio.run(run_chat(url, plan, encode, reference))
         run.counters = counter_deltas(after_first_visits, read_metrics(url))
+    run.server_warnings = log_warnings(log_path)
     return run
 
 
@@ -212,6 +215,7 @@ def chat_row(arm: str, run: ArmRun, plan: ChatPlan) -> dict:
         "total_s": run.total_s,
         "num_revisits": len(revisits_ms),
         **run.counters,
+        "server_warnings": run.server_warnings,
     }
 
 
@@ -243,13 +247,15 @@ def restart_arm(
     flags = [*args.server_flags, *pool_flags(num_blocks, max_model_len),
              "--kv-offloading-size", str(args.host_tier_gib),
              "--kv-offloading-path", str(folder)]  # fmt: skip
-    with core_serve(flags, args.log_dir / f"restart-{label}.log") as url:
+    log_path = args.log_dir / f"restart-{label}.log"
+    with core_serve(flags, log_path) as url:
         asyncio.run(send_all(url, [warm_up_prompt(encode, "restart")], WARM_UP_MAX_TOKENS))
         before = read_metrics(url)
         start_s = time.monotonic()
         replies = asyncio.run(send_all(url, prompts, args.restart_max_tokens))
         run = ArmRun(replies, time.monotonic() - start_s)
         run.counters = counter_deltas(before, read_metrics(url))
+    run.server_warnings = log_warnings(log_path)
     return run
 
 
@@ -289,10 +295,18 @@ def measure_restart(args: argparse.Namespace, encode: Encode) -> dict:
 def restart_row(arm: str, run: ArmRun) -> dict:
     ttfts_ms = [reply.ttft_s * 1e3 for reply in run.replies]
     return {"arm": arm, "ttft_ms": percentiles(ttfts_ms), "ttft_mean_ms": mean(ttfts_ms),
-            "total_s": run.total_s, **run.counters}  # fmt: skip
+            "total_s": run.total_s, **run.counters,
+            "server_warnings": run.server_warnings}  # fmt: skip
 
 
 # ---- shared --------------------------------------------------------------------------------------
+
+
+def log_warnings(log_path: Path, most: int = 20) -> list[str]:
+    """The first `most` WARNING or ERROR lines of a server's log (a tier that skipped a file
+    says so there)."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    return [line for line in lines if " WARNING " in line or " ERROR " in line][:most]
 
 
 def pool_flags(num_gpu_blocks: int, max_model_len: int) -> list[str]:

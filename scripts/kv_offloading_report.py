@@ -19,7 +19,20 @@ def render_markdown(result: dict) -> str:
         parts.append(render_chat(result["chat"]))
     if "restart" in result:
         parts.append(render_restart(result["restart"]))
+    if warned := _warned_arms(result):
+        parts.append(f"Warnings in the servers' logs (the lines are in the JSON): {warned}.")
     return "\n\n".join(parts)
+
+
+def _warned_arms(result: dict) -> str:
+    """ "arm: count" for every server whose log had WARNING or ERROR lines, joined."""
+    return ", ".join(
+        f"{result[part]['rows'][i]['arm']}: {len(row['server_warnings'])}"
+        for part in ("chat", "restart")
+        if part in result
+        for i, row in enumerate(result[part]["rows"])
+        if row["server_warnings"]
+    )
 
 
 def render_chat(chat: dict) -> str:
@@ -86,8 +99,9 @@ def render_restart(restart: dict) -> str:
         f"Every server: `--kv-offloading-size` and `--kv-offloading-path DIR`, a pool holding "
         f"every prompt, {restart['max_tokens']} greedy tokens each, one request at a time. The "
         f"first server left {restart['num_files_after_first']} block files "
-        f"({restart['bytes_on_disk_after_first'] / MIB:.1f} MiB) in DIR; the warm server "
-        f"restarts on DIR, the cold one on an empty folder.\n\n"
+        f"({restart['bytes_on_disk_after_first'] / MIB:.1f} MiB) in DIR"
+        f"{_files_lost(restart)}; the warm server restarts on DIR, the cold one on an empty "
+        f"folder.\n\n"
         f"{markdown_table(header, rows)}\n\n"
         f"TTFT warm / cold: **{restart['ttft_p50_ratio']:.2f}** at p50, "
         f"{restart['ttft_mean_ratio']:.2f} in the mean. "
@@ -98,6 +112,11 @@ def render_restart(restart: dict) -> str:
             "the cold server's",
         )
     )
+
+
+def _files_lost(restart: dict) -> str:
+    num_lost = restart["num_files_after_first"] - restart["num_files_after_warm"]
+    return f" (of which the warm server removed {num_lost})" if num_lost > 0 else ""
 
 
 def _equality_sentence(differing: list[int], num_replies: int, subject: str, other: str) -> str:

@@ -258,7 +258,7 @@ def kv_offloading_result(differing: list[int]) -> dict:
     def row(arm: str, p50: float, **extra) -> dict:
         return {"arm": arm, "ttft_ms": {"p50": p50, "p90": 2 * p50, "p99": 3 * p50},
                 "ttft_mean_ms": p50, "first_visit_ttft_mean_ms": 900.0, "total_s": 12.5,
-                "num_revisits": 4, **counters, **extra}  # fmt: skip
+                "num_revisits": 4, **counters, "server_warnings": [], **extra}  # fmt: skip
 
     tier = row("host tier", 250.0, prefix_cache_hits=512.0, external_prefix_cache_hits=960.0,
                external_prefix_cache_queries=1400.0, kv_offload_loaded_bytes=3 * 2**20)  # fmt: skip
@@ -321,8 +321,14 @@ def test_kv_offloading_markdown_has_the_flags_both_tables_and_the_checks():
     assert "| warm (restarted on DIR) | 100 | 100 | 12.5 | 0 | 0/0 | 0.0 |" in text
     assert "TTFT warm / cold: **0.12** at p50" in text
     assert "16 block files (8.0 MiB)" in text
-    text = render_kv_offloading(kv_offloading_result(differing=[3, 5]))
+    assert "removed" not in text and "Warnings" not in text
+    result = kv_offloading_result(differing=[3, 5])
+    result["restart"]["num_files_after_warm"] = 13
+    result["restart"]["rows"][1]["server_warnings"] = ["... WARNING KV disk tier: ignoring"] * 2
+    text = render_kv_offloading(result)
     assert "differ from no tier's in 2 of 6 (positions [3, 5])" in text
+    assert "16 block files (8.0 MiB) in DIR (of which the warm server removed 3)" in text
+    assert "Warnings in the servers' logs (the lines are in the JSON): warm" in text
 
 
 def test_kv_offloading_replies_differ_by_text_or_token_count():
