@@ -192,7 +192,7 @@ def measure_chat(args: argparse.Namespace, encode: Encode) -> dict:
     rows = [chat_row("no tier", no_tier, plan), chat_row("host tier", host_tier, plan)]
     differing = differing_replies(no_tier.replies, host_tier.replies)
     return {
-        "shape": {**_shape_dict(args.chat_shape)},
+        "shape": _shape_dict(args.chat_shape),
         "pool": pool_dict(pool),
         "prompt_tokens": [len(reply.prompt) for reply in no_tier.replies],
         "document_hit_tokens": document_hit_tokens(plan),
@@ -201,6 +201,7 @@ def measure_chat(args: argparse.Namespace, encode: Encode) -> dict:
         "differing_replies": differing,
         "ttft_p50_ratio": rows[1]["ttft_ms"]["p50"] / rows[0]["ttft_ms"]["p50"],
         "ttft_mean_ratio": rows[1]["ttft_mean_ms"] / rows[0]["ttft_mean_ms"],
+        "total_ratio": rows[1]["total_s"] / rows[0]["total_s"],
     }
 
 

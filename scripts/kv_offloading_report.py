@@ -70,7 +70,8 @@ def render_chat(chat: dict) -> str:
         f"{len(prompt_tokens)} requests.\n\n"
         f"{markdown_table(header, rows)}\n\n"
         f"TTFT host tier / no tier: **{chat['ttft_p50_ratio']:.2f}** at p50, "
-        f"{chat['ttft_mean_ratio']:.2f} in the mean. Pool hits if the pool kept only the "
+        f"{chat['ttft_mean_ratio']:.2f} in the mean, {chat['total_ratio']:.2f} in total time. "
+        f"Pool hits if the pool kept only the "
         f"document: {chat['document_hit_tokens']}. "
         + _equality_sentence(
             chat["differing_replies"], len(prompt_tokens), "the host tier's replies", "no tier's"

@@ -223,7 +223,8 @@ def long_prompts(encode: Encode, num_prompts: int, num_tokens: int, block_size: 
 
 
 def warm_up_prompt(encode: Encode, label: str) -> list[int]:
-    """A short prompt of its own per server (`label`), sharing no block with any workload."""
+    """A short prompt seeded by `label`, apart from every workload's (other seeds, no shared
+    document), to send each server before measuring."""
     return encode(make_text(random.Random(f"warm-up-{label}"), 30))
 
 

@@ -291,6 +291,7 @@ def kv_offloading_result(differing: list[int]) -> dict:
             "differing_replies": differing,
             "ttft_p50_ratio": 0.25,
             "ttft_mean_ratio": 0.25,
+            "total_ratio": 0.5,
         },
         "restart": {
             "num_prompts": 2,
@@ -316,7 +317,7 @@ def test_kv_offloading_markdown_has_the_flags_both_tables_and_the_checks():
     assert "`--num-gpu-blocks-override 15 --max-model-len 144`" in text
     assert "`--kv-offloading-size 1`" in text
     assert "| host tier | 250/500 | 250 | 900 | 12.5 | 512 | 960/1400 | 3.0 |" in text
-    assert "TTFT host tier / no tier: **0.25** at p50" in text
+    assert "TTFT host tier / no tier: **0.25** at p50, 0.25 in the mean, 0.50 in total" in text
     assert "the host tier's replies equal no tier's (6 of 6)" in text
     assert "| warm (restarted on DIR) | 100 | 100 | 12.5 | 0 | 0/0 | 0.0 |" in text
     assert "TTFT warm / cold: **0.12** at p50" in text
