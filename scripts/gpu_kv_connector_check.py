@@ -37,9 +37,7 @@ PROMPT_TOKENS, EVICTOR_TOKENS = 100, 240  # the evictor with its 8 tokens fills 
 
 
 def config_for(folder: Path, device: str, **options) -> EngineConfig:
-    return EngineConfig(
-        model=str(folder), device=device, dtype="float32", **options
-    )
+    return EngineConfig(model=str(folder), device=device, dtype="float32", **options)
 
 
 def tokens_of(client: EngineClient, prompt, params: SamplingParams = GREEDY):
