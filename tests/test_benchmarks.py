@@ -26,11 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.kv_cache_manager import KVCacheManager
 from core.step_trace import StepRecord
 from frontend.text.null_tokenizer import NullTokenizer
 from kernels.cuda import backend as cuda_backend
 from scripts import (
     bench_attention,
+    bench_kv_offloading,
     bench_offline,
     bench_pd_disaggregation,
     bench_serving,
@@ -50,6 +52,7 @@ from scripts.bench_common import (
     markdown_table,
     percentiles,
 )
+from scripts.bench_kv_offloading import CHAT_SHAPE, QUICK_CHAT_SHAPE, Reply, differing_replies
 from scripts.bench_offline import (
     comparison_row,
     count_agreeing,
@@ -63,6 +66,15 @@ from scripts.bench_spec_decode import measure_vllm, run_plan, speculative_config
 from scripts.closed_loop import ClosedLoopRun, RequestTiming, first_differences, run_closed_loop
 from scripts.copy_heavy_chats import COPY_HEAVY_TASKS, copy_heavy_conversations
 from scripts.gpu_check import ProcessRun, junit_counts, sanitizer_outcome
+from scripts.kv_offloading_report import render_markdown as render_kv_offloading
+from scripts.kv_offloading_workload import (
+    ChatSession,
+    ChatShape,
+    build_chat_plan,
+    chat_pool_size,
+    long_prompts,
+    restart_pool_size,
+)
 from scripts.llama_server_peer import find_llama_server
 from scripts.pd_bench_report import add_ratios, compare_texts
 from scripts.pd_bench_report import render_markdown as render_pd_markdown
@@ -98,6 +110,7 @@ from scripts.spec_decode_workloads import (
 )
 from scripts.vllm_bench_client import SATURATION, bench_serve_argv, summary
 from scripts.vllm_spec_decode_arm import parse_closed_loop_result
+from tests.core_factories import make_request
 from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
 
 SCRIPT_TIMEOUT_S = 300
@@ -168,6 +181,187 @@ def test_ideal_hits_count_full_system_prompt_blocks_after_the_first_request():
     # 1000 // 16 = 62 full blocks; the third prompt may hit at most 999 tokens: 62 blocks.
     assert ideal_hits(prompts, 1000, 16) == 2 * 62 * 16
     assert ideal_hits([[0] * 20, [0] * 20], 32, 16) == 16  # capped by the prompt's last token
+
+
+# ---- KV offloading: the chat workload, its pool, the report -----------------------------------
+
+
+def test_chat_histories_grow_by_the_reply_and_the_next_user_message():
+    plan = build_chat_plan(NullTokenizer().encode, ChatShape(4, 3, 40, 20, 6, 5), seed=0)
+    session = ChatSession(plan)
+    first_visits = [session.next_prompt(c) for c in range(4)]
+    for conversation, prompt in enumerate(first_visits):
+        assert prompt == plan.document + plan.openings[conversation]
+        assert len(prompt) == 40 + 20
+    # the shared prefix is exactly the document: the openings differ in their first block
+    assert len({tuple(prompt[40 : 40 + 16]) for prompt in first_visits}) == 4
+    session.add_reply(1, [7, 8, 9])
+    second = session.next_prompt(1)
+    assert second == first_visits[1] + [7, 8, 9] + plan.user_messages[1][0]
+    session.add_reply(1, [])
+    assert session.next_prompt(1) == second + plan.user_messages[1][1]
+    with pytest.raises(ValueError, match="all 3 visits"):
+        session.next_prompt(1)
+    with pytest.raises(ValueError, match="6 tokens is longer than max_tokens=5"):
+        session.add_reply(0, [1] * 6)
+
+
+def test_chat_visits_go_round_robin_and_bound_their_prompt_lengths():
+    plan = build_chat_plan(NullTokenizer().encode, ChatShape(3, 2, 40, 20, 6, 5), seed=0)
+    assert plan.visit_order() == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert plan.prompt_tokens_bounds(2, 0) == (60, 60)
+    assert plan.prompt_tokens_bounds(2, 1) == (66, 71)  # the reply: 0 to max_tokens=5 tokens
+
+
+def test_the_chat_pool_holds_the_document_and_two_conversations_at_their_longest():
+    plan = build_chat_plan(NullTokenizer().encode, CHAT_SHAPE, seed=0)
+    pool = chat_pool_size(plan)
+    # longest request: 768 + 320 + 4 x (24 + 32) + 24 = 1336 tokens = 84 blocks, 48 of them
+    # the document's; the null block, the document and 2 x 36 blocks.
+    assert (pool.num_shared_blocks, pool.max_own_blocks) == (48, 36)
+    assert pool.num_gpu_blocks == 1 + 48 + 2 * 36 and pool.max_model_len == 84 * 16
+    # between visits 0 and 1 of conversation 0, the five others' openings: 5 x (68 - 48) blocks
+    assert pool.min_blocks_between_visits == 100 > pool.num_blocks_beyond_document == 72
+    assert pool.evicts_between_visits
+
+
+def test_a_pool_that_would_keep_a_conversation_between_visits_is_refused():
+    plan = build_chat_plan(NullTokenizer().encode, ChatShape(3, 4, 64, 32, 16, 8), seed=0)
+    with pytest.raises(ValueError, match="keeps a conversation between its visits"):
+        chat_pool_size(plan)
+
+
+@pytest.mark.parametrize("shape", [CHAT_SHAPE, QUICK_CHAT_SHAPE], ids=["full", "quick"])
+def test_no_revisit_finds_its_own_history_in_the_pool(shape):
+    """The engine's own KVCacheManager, sized by chat_pool_size, runs the chat with replies of
+    max_tokens tokens: every request fits, and every revisit hits the document's full blocks
+    and nothing of its own history."""
+    plan = build_chat_plan(NullTokenizer().encode, shape, seed=0)
+    pool = chat_pool_size(plan)
+    manager = KVCacheManager(pool.num_gpu_blocks, pool.block_size, pool.max_model_len, True)
+    session = ChatSession(plan)
+    for index, (conversation, visit) in enumerate(plan.visit_order()):
+        prompt = session.next_prompt(conversation)
+        reply = [1000 + index] * plan.max_tokens
+        # computed: the prompt and every reply token but the last (sampled, never fed back)
+        request = make_request(f"r{index}", prompt + reply[:-1], block_size=pool.block_size)
+        blocks, num_hit = manager.get_computed_blocks(request)
+        if index > 0:
+            assert num_hit == pool.num_shared_blocks * pool.block_size, (conversation, visit)
+        new_tokens = request.num_tokens - num_hit + 1  # a slot for the last token too
+        assert manager.allocate_slots(request, new_tokens, num_hit, blocks) is not None
+        request.num_computed_tokens = request.num_tokens
+        manager.free(request)
+        manager.check_integrity()
+        session.add_reply(conversation, reply)
+
+
+def test_restart_prompts_share_no_block_and_fit_the_pool_together():
+    prompts = long_prompts(NullTokenizer().encode, 5, 100, 16, seed=0)
+    assert [len(prompt) for prompt in prompts] == [100] * 5
+    assert len({tuple(prompt[:16]) for prompt in prompts}) == 5
+    # each prompt with 8 output tokens: 7 blocks; plus the null block
+    assert restart_pool_size(prompts, 8, 16) == (1 + 5 * 7, 7 * 16)
+
+
+def kv_offloading_result(differing: list[int]) -> dict:
+    counters = dict(prefix_cache_queries=0.0, prefix_cache_hits=0.0,
+                    external_prefix_cache_queries=0.0, external_prefix_cache_hits=0.0,
+                    kv_offload_loaded_bytes=0.0, kv_offload_stored_bytes=0.0)  # fmt: skip
+
+    def row(arm: str, p50: float, **extra) -> dict:
+        return {"arm": arm, "ttft_ms": {"p50": p50, "p90": 2 * p50, "p99": 3 * p50},
+                "ttft_mean_ms": p50, "first_visit_ttft_mean_ms": 900.0, "total_s": 12.5,
+                "num_revisits": 4, **counters, "server_warnings": [], **extra}  # fmt: skip
+
+    tier = row("host tier", 250.0, prefix_cache_hits=512.0, external_prefix_cache_hits=960.0,
+               external_prefix_cache_queries=1400.0, kv_offload_loaded_bytes=3 * 2**20)  # fmt: skip
+    return {
+        "server": "core-serve --device cpu --block-size 16",
+        "omp_num_threads": 1,
+        "prefix_hash_seed": "00" * 16,
+        "host_tier_gib": 1.0,
+        "chat": {
+            "shape": {
+                "num_conversations": 2,
+                "num_visits": 3,
+                "document_tokens": 64,
+                "opening_tokens": 48,
+                "user_tokens": 16,
+                "max_tokens": 8,
+            },  # fmt: skip
+            "pool": {
+                "num_gpu_blocks": 15,
+                "block_size": 16,
+                "num_shared_blocks": 4,
+                "num_blocks_beyond_document": 10,
+                "max_own_blocks": 5,
+                "min_blocks_between_visits": 12,
+                "max_model_len": 144,
+            },  # fmt: skip
+            "prompt_tokens": [112, 112, 136, 136, 160, 160],
+            "document_hit_tokens": 256,
+            "rows": [row("no tier", 1000.0), tier],
+            "differing_replies": differing,
+            "ttft_p50_ratio": 0.25,
+            "ttft_mean_ratio": 0.25,
+            "total_ratio": 0.5,
+        },
+        "restart": {
+            "num_prompts": 2,
+            "prompt_tokens": 128,
+            "max_tokens": 8,
+            "num_files_after_first": 16,
+            "bytes_on_disk_after_first": 8 * 2**20,
+            "num_files_after_warm": 16,
+            "rows": [
+                row("first (fills DIR)", 800.0),
+                row("warm (restarted on DIR)", 100.0),
+                row("cold (empty DIR)", 800.0),
+            ],
+            "differing_replies_warm_vs_cold": [],
+            "ttft_p50_ratio": 0.125,
+            "ttft_mean_ratio": 0.125,
+        },  # fmt: skip
+    }
+
+
+def test_kv_offloading_markdown_has_the_flags_both_tables_and_the_checks():
+    text = render_kv_offloading(kv_offloading_result(differing=[]))
+    assert "`--num-gpu-blocks-override 15 --max-model-len 144`" in text
+    assert "`--kv-offloading-size 1`" in text
+    assert "| host tier | 250/500 | 250 | 900 | 12.5 | 512 | 960/1400 | 3.0 |" in text
+    assert "TTFT host tier / no tier: **0.25** at p50, 0.25 in the mean, 0.50 in total" in text
+    assert "the host tier's replies equal no tier's (6 of 6)" in text
+    assert "| warm (restarted on DIR) | 100 | 100 | 12.5 | 0 | 0/0 | 0.0 |" in text
+    assert "TTFT warm / cold: **0.12** at p50" in text
+    assert "16 block files (8.0 MiB)" in text
+    assert "removed" not in text and "Warnings" not in text
+    result = kv_offloading_result(differing=[3, 5])
+    result["restart"]["num_files_after_warm"] = 13
+    result["restart"]["rows"][1]["server_warnings"] = ["... WARNING KV disk tier: ignoring"] * 2
+    text = render_kv_offloading(result)
+    assert "differ from no tier's in 2 of 6 (positions [3, 5])" in text
+    assert "16 block files (8.0 MiB) in DIR (of which the warm server removed 3)" in text
+    assert "Warnings in the servers' logs (the lines are in the JSON): warm" in text
+
+
+def test_kv_offloading_replies_differ_by_text_or_token_count():
+    def reply(text: str, num_tokens: int) -> Reply:
+        return Reply([1, 2], 0.1, text, num_tokens)
+
+    same = [reply("a b", 2), reply("c", 1), reply("d", 1)]
+    other = [reply("a b", 2), reply("c!", 1), reply("d", 2)]
+    assert differing_replies(same, same) == []
+    assert differing_replies(same, other) == [1, 2]
+
+
+def test_kv_offloading_refuses_server_flags_it_sets_per_arm(capsys):
+    with pytest.raises(SystemExit):
+        bench_kv_offloading.parse_args(["--server-args", "--device cpu --max-model-len 512"])
+    assert "may not hold --max-model-len" in capsys.readouterr().err
+    args = bench_kv_offloading.parse_args(["--quick", "--server-args", "--device cuda"])
+    assert args.chat_shape == QUICK_CHAT_SHAPE and args.output_dir.name == "gpu"
 
 
 def test_markdown_table_aligns_numbers_right():
@@ -659,6 +853,45 @@ def test_bench_prefix_cache_quick(tmp_path):
     assert result["meets_hit_rate_target"], (on["hit_rate"], result["ideal_hit_rate"])
     assert on["hit_rate"] <= result["ideal_hit_rate"] + 1e-9  # never more than is shareable
     assert on["ttft_ms"]["p50"] < off["ttft_ms"]["p50"]
+
+
+def tier_hit_bounds(chat: dict) -> tuple[int, int]:
+    """Tier hits over the revisits if the tier holds every block the conversation computed
+    before, beyond the document's: at least the last prompt's full blocks, at most also the
+    reply's (computed but its last token; a hit never covers the new prompt's last token)."""
+    num_conversations = chat["shape"]["num_conversations"]
+    max_tokens, block_size = chat["shape"]["max_tokens"], chat["pool"]["block_size"]
+    num_shared = chat["pool"]["num_shared_blocks"]
+    lengths = chat["prompt_tokens"]
+    fewest = most = 0
+    for index in range(num_conversations, len(lengths)):
+        last = lengths[index - num_conversations]
+        fewest += (last // block_size - num_shared) * block_size
+        computed = min(last + max_tokens - 1, lengths[index] - 1)
+        most += (computed // block_size - num_shared) * block_size
+    return fewest, most
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_bench_kv_offloading_quick_chat(tmp_path):
+    """The chat measurement only: with the restart's three more servers the run takes over two
+    minutes here (its parts are tested above, in-process)."""
+    result = run_quick("bench_kv_offloading", tmp_path, "--measurements", "chat")
+    assert "restart" not in result
+    chat = result["chat"]
+    no_tier, tier = chat["rows"]
+    # the pool lost every revisit's own history: only the document's blocks were hit there
+    assert no_tier["prefix_cache_hits"] == tier["prefix_cache_hits"] == chat["document_hit_tokens"]
+    assert no_tier["external_prefix_cache_queries"] == 0
+    # the tier held each revisit's own history: at least every full block of its last prompt
+    fewest, most = tier_hit_bounds(chat)
+    assert fewest <= tier["external_prefix_cache_hits"] <= most
+    assert tier["kv_offload_loaded_bytes"] > 0
+    assert chat["differing_replies"] == []
+    assert (
+        no_tier["num_revisits"] == len(chat["prompt_tokens"]) - chat["shape"]["num_conversations"]
+    )
 
 
 @pytest.mark.slow
