@@ -1683,7 +1683,8 @@ def test_vllm_arms_over_a_fake_vllm_package(tmp_path, monkeypatch):
     workload = DecodeWorkload(CHAT, "", [[10, 11], [20], [30, 31, 32]], 4, ignore_eos=False)
     warm_up = DecodeWorkload("warm-up", "", [[1, 2]], 2, ignore_eos=False)
     args = argparse.Namespace(hf_model=tmp_path, model=None, peer_python=sys.executable,
-                              seed=0, repeats=1, batch_sizes=["1", SATURATION_BATCH])  # fmt: skip
+                              seed=0, repeats=1, min_prompts=8,
+                              batch_sizes=["1", SATURATION_BATCH])  # fmt: skip
     configs = {"ngram": NGRAM, "suffix": {"method": "suffix"}}
     measurements, records = measure_vllm(args, configs, [workload], warm_up, "float32", tmp_path)
     assert (
