@@ -92,6 +92,7 @@ from scripts.peer_process import PeerError, PeerProcess, parse_peer_message, par
 from scripts.plot_results import plot_serving, write_readme_section
 from scripts.serving_profile import step_stats
 from scripts.spec_decode_counts import SpecDecodeCounts
+from scripts.spec_decode_replay import DrafterSpec, replay
 from scripts.spec_decode_report import (
     BASELINE,
     Measurement,
@@ -1953,3 +1954,22 @@ def test_pd_servers_hold_the_whole_workload_and_pinned_workers_get_one_thread(mo
     needed = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // 16) for r in requests)
     assert num_blocks > needed
     assert int(flags[flags.index("--max-model-len") + 1]) >= PD_SHAPE.max_tokens_per_request
+
+
+def test_spec_decode_replay_keeps_what_greedy_verification_would():
+    """A reply copying its prompt: the 1-gram [1] drafts 2-5, all kept plus the bonus 6; then
+    [4, 5, 6] drafts 7 (one left before the end), kept plus 8. Two steps for seven tokens."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    totals = replay([(prompt, list(prompt))], DrafterSpec(1, 3, 4, adaptive=False))
+    assert (totals.num_steps, totals.num_tokens, totals.num_drafts) == (2, 7, 5)
+    assert totals.speedup(46.0, 2.5) == pytest.approx(7 * 46 / (2 * 46 + 5 * 2.5))
+
+
+def test_spec_decode_replay_adaptive_length_shrinks_after_rejections():
+    # Each step drafts from the earliest [9]: 1 2 3 ..., which the reply never continues.
+    prompt = [9, 1, 2, 3, 4]
+    reply = [9, 5, 9, 6, 9, 7, 9, 8]
+    fixed = replay([(prompt, reply)], DrafterSpec(1, 1, 4, adaptive=False))
+    adaptive = replay([(prompt, reply)], DrafterSpec(1, 1, 4, adaptive=True))
+    assert fixed.num_tokens == adaptive.num_tokens == len(reply) - 1
+    assert adaptive.num_drafts < fixed.num_drafts
