@@ -104,10 +104,18 @@ def greedy_replies(num_chats: int, max_tokens: int) -> list[tuple[list[int], lis
     config = EngineConfig()
     tokenizer = load_engine_tokenizer(config)
     chats = copy_heavy_conversations(4)[:num_chats]
-    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True) for _, chat in chats]
+    prompts = [render(tokenizer, chat) for _, chat in chats]
     engine = InProcessEngine(config, LocalExecutor(config))
     output = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [(p, list(r.token_ids)) for p, r in zip(prompts, output.results, strict=True)]
+
+
+def render(tokenizer, conversation) -> list[int]:
+    """The conversation's token ids with the chat template, as the server renders it."""
+    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    if isinstance(rendered, str):  # the template spells out the special tokens itself
+        return tokenizer.encode(rendered, add_special_tokens=False)
+    return list(rendered)
 
 
 def main(argv: list[str] | None = None) -> None:
