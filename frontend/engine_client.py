@@ -7,6 +7,7 @@ An event loop (uvloop when installed) runs in a background daemon thread and own
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ from proto import SamplingParams, SchedulerStats
 from proto.engine_config import EngineConfig
 
 T = TypeVar("T")
+SIGNAL_CHECK_INTERVAL_S = 0.1  # how long a Ctrl-C may wait for the main thread to notice
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -72,6 +74,11 @@ class EngineClient:
         engine does not go on computing what nobody waits for, and stays usable."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
+            # In slices: a SIGINT the kernel hands to another thread (it may, when the main
+            # thread has a signal pending) only runs its handler, in this thread, once this
+            # thread runs Python again; an unbounded wait would not return until the end.
+            while not future.done():
+                concurrent.futures.wait([future], timeout=SIGNAL_CHECK_INTERVAL_S)
             return future.result()
         except BaseException:
             future.cancel()

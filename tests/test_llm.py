@@ -225,6 +225,33 @@ def test_ctrl_c_in_generate_aborts_its_requests_and_the_llm_stays_usable():
         assert len(output.outputs[0].token_ids) == 3
 
 
+def test_ctrl_c_delivered_to_another_thread_still_interrupts_generate_at_once():
+    """The kernel may hand a process's SIGINT to any thread that does not block it (it does
+    when the main thread has another signal pending); Python then runs the handler in the main
+    thread only when that thread runs Python again, so a wait without end would sit out the
+    whole generation (60,000 tokens x 2 here) before the KeyboardInterrupt."""
+    config = dict(model="null", max_model_len=65536, num_gpu_blocks_override=8192)
+    with LLM(**config) as llm:
+
+        def interrupt_from_this_thread() -> None:
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+        interrupt = threading.Timer(0.5, interrupt_from_this_thread)
+        start = time.monotonic()
+        interrupt.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(["x"] * 2, SamplingParams(max_tokens=60000), use_tqdm=False)
+        finally:
+            interrupt.cancel()
+        assert time.monotonic() - start < 5.0
+        client = llm._client
+        deadline = time.monotonic() + 10
+        while client.get_stats().num_running_reqs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get_stats().num_running_reqs == 0
+
+
 def test_a_missing_model_fails_fast_naming_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="no-such-model"):
