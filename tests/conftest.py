@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 
@@ -67,3 +69,15 @@ def _skip_reason(report) -> str:
 
 # Tests of the hooks above run pytest in-process on a file of their own.
 pytest_plugins = ("pytester",)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_are_left_as_found():
+    """A test that leaves its own SIGINT or SIGTERM handler behind changes what Ctrl-C does in
+    every later test of the session (the Ctrl-C tests of test_llm.py): fail the test that
+    leaked it, naming the handler."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        now = signal.getsignal(sig)
+        assert now == handler, f"the test left {signal.Signals(sig).name} handled by {now!r}"
