@@ -7,6 +7,7 @@ are runs of "*".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -202,6 +203,18 @@ def test_wait_until_dead_returns_the_reason_once_the_core_dies():
     asyncio.run(scenario())
 
 
+@contextlib.contextmanager
+def keyboard_interrupt_on_sigint():
+    """SIGINT raising KeyboardInterrupt, as in an interactive Python, whatever pytest inherited:
+    started in the background by a shell without job control (`cmd &`) or under nohup, it gets
+    SIGINT ignored, and Python then installs no handler of its own."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_in_generate_aborts_its_requests_and_the_llm_stays_usable():
     # The engine core ignores the terminal's SIGINT (its frontend decides when it stops), so
     # the interrupted requests must be aborted by the client.
@@ -212,7 +225,7 @@ def test_ctrl_c_in_generate_aborts_its_requests_and_the_llm_stays_usable():
         interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
         interrupt.start()
         try:
-            with pytest.raises(KeyboardInterrupt):
+            with keyboard_interrupt_on_sigint(), pytest.raises(KeyboardInterrupt):
                 llm.generate(["x"] * 2, SamplingParams(max_tokens=60000), use_tqdm=False)
         finally:
             interrupt.cancel()
@@ -240,7 +253,7 @@ def test_ctrl_c_delivered_to_another_thread_still_interrupts_generate_at_once():
         start = time.monotonic()
         interrupt.start()
         try:
-            with pytest.raises(KeyboardInterrupt):
+            with keyboard_interrupt_on_sigint(), pytest.raises(KeyboardInterrupt):
                 llm.generate(["x"] * 2, SamplingParams(max_tokens=60000), use_tqdm=False)
         finally:
             interrupt.cancel()
