@@ -3,7 +3,8 @@
 The fields and their meaning are vLLM's `speculative_config` for its draft-model-free methods:
 - "ngram" (prompt lookup): the longest suffix of the request's tokens, between
   `prompt_lookup_min` and `prompt_lookup_max` tokens long, that occurred earlier in the request
-  proposes the `num_speculative_tokens` tokens that followed it.
+  proposes up to `num_speculative_tokens` tokens that followed it (fewer while a request's drafts
+  keep failing: `core.spec_decode.draft_length`).
 - "suffix" (suffix decoding): a suffix tree per request plus a global one over earlier
   requests' outputs propose a continuation whose length follows the match:
   at most `suffix_decoding_max_spec_factor` x the matched length, at most
