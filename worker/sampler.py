@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proto import TokenLogprobs
-
-# Exponential draws are clamped away from 0 so that `probs / q` is never 0 / 0 (NaN wins argmax).
-_MIN_EXPONENTIAL = 1e-10
+from worker.inverse_cdf import sample_inverse_cdf
 
 
 @dataclass(slots=True)
@@ -83,11 +81,13 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = raw_logprobs_if_needed(logits, metadata)
         logits = apply_logits_processors(logits, metadata)
-        sampled = logits.argmax(dim=-1)
         is_greedy = metadata.temperature == 0.0
-        if not bool(is_greedy.all()):
-            random_sampled = self.random_sample(target_probs(logits, metadata), metadata.generators)
-            sampled = torch.where(is_greedy, sampled, random_sampled)
+        if bool(is_greedy.all()):
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self.random_sample(target_probs(logits, metadata), metadata.generators)
+            if bool(is_greedy.any()):
+                sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
         logprobs = gather_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
@@ -95,14 +95,17 @@ class Sampler:
         self, probs: torch.Tensor, generators: dict[int, torch.Generator]
     ) -> torch.Tensor:
         """One token per row of `probs` [N, vocab] (non-negative, not necessarily normalised),
-        drawn with probability proportional to its entry: argmax(probs / q) with q ~ Exp(1)
-        (the Gumbel-max trick). Row i draws from `generators[i]` when given, else from the
-        sampler's own generator."""
-        q = torch.empty_like(probs).exponential_(generator=self._generator)
+        drawn with probability proportional to its entry, from one uniform draw per row (see
+        `inverse_cdf`). Row i draws from `generators[i]` when given, else from the sampler's
+        own generator."""
+        uniforms = torch.rand(
+            probs.shape[0], generator=self._generator, device=self._device, dtype=torch.float64
+        )
         for row, generator in generators.items():
-            q[row].exponential_(generator=generator)
-        q.clamp_min_(_MIN_EXPONENTIAL)
-        return (probs / q).argmax(dim=-1)
+            uniforms[row] = torch.rand(
+                (), generator=generator, device=self._device, dtype=torch.float64
+            )
+        return sample_inverse_cdf(probs, uniforms)
 
     def uniform(
         self, num_values: int, generator_spans: dict[tuple[int, int], torch.Generator]
