@@ -18,7 +18,9 @@ Workloads:
 - mixed: 48 prompts of 10-200 words, each with its own max_tokens in [16, 160] (goal: the
   engine at least 2x transformers);
 - decode-heavy: short prompts (5-15 words), 256 tokens each;
-- prefill-heavy: 1,000-token prompts, 16 tokens each.
+- prefill-heavy: 1,000-token prompts, 16 tokens each;
+- burst: vLLM's saturation burst run offline: 64 prompts of 128 random token ids, 64 tokens each
+  (what `vllm bench serve --dataset-name random` sends in `scripts/serving_vllm_client.py`).
 
 Reported per workload and peer: both sides' output tokens/s, their ratio (engine / peer), and
 for how many requests both produced the same first tokens (same work done).
@@ -63,7 +65,7 @@ from scripts.bench_common import (
 
 TARGET_SPEEDUP = 2.0
 NUM_COMPARED_TOKENS = 8
-WORKLOAD_NAMES = ("mixed", "decode", "prefill")
+WORKLOAD_NAMES = ("mixed", "decode", "prefill", "burst")
 PEER_NAMES = ("transformers", "vllm", "llama-server")
 GPU_NUM_PROMPTS = 256
 
@@ -80,10 +82,14 @@ class WorkloadShape:
     num_prefill: int
     prefill_prompt_tokens: int
     prefill_max_tokens: int
+    num_burst: int = 64
+    burst_input_len: int = 128
+    burst_output_len: int = 64
 
 
 FULL_SHAPE = WorkloadShape(48, (10, 200), (16, 160), 32, 256, 16, 1000, 16)
-QUICK_SHAPE = WorkloadShape(6, (10, 60), (4, 12), 4, 16, 2, 200, 4)
+QUICK_SHAPE = WorkloadShape(6, (10, 60), (4, 12), 4, 16, 2, 200, 4, 4, 32, 8)
+BURST_VOCAB = (100, 40000)  # ids of ordinary tokens, as vLLM's random dataset draws them
 
 
 def build_workloads(
@@ -94,6 +100,7 @@ def build_workloads(
         "mixed": lambda rng: _mixed(shape, encode, rng, num_prompts or shape.num_mixed),
         "decode": lambda rng: _decode(shape, encode, rng, num_prompts or shape.num_decode),
         "prefill": lambda rng: _prefill(shape, encode, rng, num_prompts or shape.num_prefill),
+        "burst": lambda rng: _burst(shape, rng, num_prompts or shape.num_burst),
     }
     return [builders[name](random.Random(f"{seed}-{name}")) for name in names]
 
@@ -117,6 +124,17 @@ def _decode(shape, encode, rng, num_prompts) -> GenerationWorkload:
         f"{num_prompts} prompts of 5-15 words, {shape.decode_max_tokens} tokens each",
         [encode(text) for text in texts],
         [shape.decode_max_tokens] * num_prompts,
+    )
+
+
+def _burst(shape, rng, num_prompts) -> GenerationWorkload:
+    low, high = BURST_VOCAB
+    return GenerationWorkload(
+        "burst",
+        f"{num_prompts} prompts of {shape.burst_input_len} random token ids, "
+        f"{shape.burst_output_len} tokens each",
+        [[rng.randrange(low, high) for _ in range(shape.burst_input_len)] for _ in range(num_prompts)],
+        [shape.burst_output_len] * num_prompts,
     )
 
 

@@ -12,6 +12,8 @@ snapshots are not seen.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,3 +139,62 @@ def per_process(deltas: list[ThreadSample]) -> dict[str, dict[str, float]]:
         total["involuntary"] += sample.involuntary_switches
         total["threads"] += 1
     return totals
+
+
+class CpuTimeline:
+    """Samples the CPU seconds of every process of a tree every `period_s`, in a thread, so that
+    the cores each process used over any window of the run can be read afterwards (a client
+    that starts up for seconds before it sends is then not charged to the window that matters).
+
+        with CpuTimeline(os.getpid()) as timeline: ...
+        timeline.cores_used(start_s, end_s)  # {process label: cores}, time.monotonic() bounds
+    """
+
+    def __init__(self, root_pid: int, period_s: float = 0.2) -> None:
+        self._root_pid = root_pid
+        self._period_s = period_s
+        self._samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-timeline", daemon=True)
+
+    def __enter__(self) -> CpuTimeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            now = time.monotonic()
+            sample = {}
+            for pid in process_tree(self._root_pid):
+                cpu_s = _process_cpu_s(pid)
+                if cpu_s is not None:
+                    sample[pid] = (process_label(pid), cpu_s)
+            self._samples.append((now, sample))
+
+    def cores_used(self, start_s: float, end_s: float) -> dict[str, float]:
+        """Cores each process label used between the samples nearest `start_s` and `end_s`
+        (CPU seconds over wall seconds; processes alive at both samples)."""
+        first = min(self._samples, key=lambda sample: abs(sample[0] - start_s))
+        last = min(self._samples, key=lambda sample: abs(sample[0] - end_s))
+        wall_s = last[0] - first[0]
+        if wall_s <= 0:
+            return {}
+        cores: dict[str, float] = {}
+        for pid, (label, cpu_s) in last[1].items():
+            if pid in first[1]:
+                cores[label] = cores.get(label, 0.0) + (cpu_s - first[1][pid][1]) / wall_s
+        return dict(sorted(cores.items(), key=lambda item: -item[1]))
+
+
+def _process_cpu_s(pid: int) -> float | None:
+    """utime + stime of every thread of `pid`, live and ended, in seconds."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS

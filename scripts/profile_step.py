@@ -52,7 +52,7 @@ from scripts.bench_common import (
     result_name,
     write_results,
 )
-from scripts.bench_offline import FULL_SHAPE, QUICK_SHAPE, build_workloads
+from scripts.bench_offline import FULL_SHAPE, QUICK_SHAPE, WORKLOAD_NAMES, build_workloads
 from worker import layers, model_runner, sampler
 from worker.host_allocator import keep_freed_memory
 from worker.local_executor import LocalExecutor
@@ -273,6 +273,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a small workload")
     parser.add_argument("--model", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", default="mixed", choices=WORKLOAD_NAMES,
+                        help="one of bench_offline's workloads (burst: vLLM's saturation burst)")  # fmt: skip
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="profile_step", help="results file name")
     return parser.parse_args()
@@ -304,7 +306,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
-    (workload,) = build_workloads(shape, tokenizer.encode, args.seed, ["mixed"], None)
+    (workload,) = build_workloads(shape, tokenizer.encode, args.seed, [args.workload], None)
     timer = PartTimer()
     instrument(timer)
     profiled = ProfiledExecutor(executor, timer)

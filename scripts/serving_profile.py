@@ -4,13 +4,16 @@
 
 Runs vLLM's client's saturation burst (64 prompts of 128 random token ids, 64 tokens each,
 all at once) twice through the engine: offline (`LLM.generate` on 64 prompts of the same
-shape) and served (`core-serve` under `vllm bench serve`). Both engines write a step trace
+shape, sampled at temperature 1 as the client's requests are: `vllm bench serve` sends no
+temperature) and served (`core-serve` under `vllm bench serve`). Both engines write a step trace
 (CORE_ENGINE_STEP_TRACE: when each step went to the worker and when its answer came), and
 /proc is read before and after each run for every process and thread of the engine. Reports:
 - CPU seconds and voluntary / involuntary context switches per process and per thread;
 - steps: how many, their wall time (decode-only steps by batch size, prefill steps), the idle
   gap between one step's answer and the next step (the core's and the frontend's work), all
   offline beside served;
+- the cores each process used during the decode-only steps (sampled every 0.2 s), which
+  charges the client only for what it did while the engine decoded, not its start-up;
 - the client's figures (output tok/s, TTFT, TPOT).
 `--env` sets variables for both engines (an OpenMP wait policy, say), so settings can be
 compared run against run. Results: benchmarks/results/serving_profile[_LABEL].{json,md}.
@@ -84,7 +87,8 @@ def run_offline(
         [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(workload.input_len)]
         for _ in range(workload.num_prompts)
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    # What vllm bench serve's requests get: no temperature is sent, so the server's default, 1.
+    params = SamplingParams(temperature=1.0, max_tokens=workload.output_len, ignore_eos=True)
     os.environ[STEP_TRACE_ENV] = str(trace_path)
     try:
         with LLM(model=None, device="cpu", enable_prefix_caching=False) as llm:
@@ -93,7 +97,8 @@ def run_offline(
             tune_worker(os.getpid(), nice, pin)
             before = proc_stats.snapshot(proc_stats.process_tree(os.getpid()))
             start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            with proc_stats.CpuTimeline(os.getpid()) as timeline:
+                llm.generate(prompts, params, use_tqdm=False)
             elapsed_s = time.perf_counter() - start
             after = proc_stats.snapshot(proc_stats.process_tree(os.getpid()))
     finally:
@@ -102,6 +107,7 @@ def run_offline(
         "elapsed_s": elapsed_s,
         "output_tok_s": workload.num_prompts * workload.output_len / elapsed_s,
         "threads": proc_stats.thread_deltas(before, after),
+        "timeline": timeline,
     }
 
 
@@ -131,7 +137,10 @@ def run_served(
             before = proc_stats.snapshot(proc_stats.process_tree(server_pid))
             client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             start = time.perf_counter()
-            result = run_bench_serve(peer_python, url, model, tokenizer, workload, work_dir, seed)
+            with proc_stats.CpuTimeline(os.getpid()) as timeline:
+                result = run_bench_serve(
+                    peer_python, url, model, tokenizer, workload, work_dir, seed
+                )
             elapsed_s = time.perf_counter() - start
             client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
             after = proc_stats.snapshot(proc_stats.process_tree(server_pid))
@@ -148,7 +157,22 @@ def run_served(
             "involuntary": client_after.ru_nivcsw - client_before.ru_nivcsw,
         },
         "threads": proc_stats.thread_deltas(before, after),
+        "timeline": timeline,
     }
+
+
+def decode_window_cores(timeline: proc_stats.CpuTimeline, records: list[StepRecord]) -> dict:
+    """Cores each process used while the engine ran its decode-only steps: from the first
+    decode-only step after the last prefill to the end of the last step (the client's start-up
+    and the burst's prompts are outside it)."""
+    last_prefill = max(
+        (i for i, r in enumerate(records) if r.num_decode_reqs != r.num_reqs), default=-1
+    )
+    decodes = records[last_prefill + 1 :]
+    if len(decodes) < 2:
+        return {}
+    cores = timeline.cores_used(decodes[0].sent_s, decodes[-1].received_s)
+    return {"window_s": decodes[-1].received_s - decodes[0].sent_s, "cores": cores}
 
 
 def _server_pid(url: str) -> int:
@@ -232,11 +256,15 @@ def main(argv: list[str] | None = None) -> None:
         work_dir = Path(folder)
         tweaks = {"nice": args.worker_nice, "pin": args.pin_worker_threads}
         offline = run_offline(workload, work_dir / "offline.jsonl", args.seed, **tweaks)
-        offline["steps"] = step_stats(read_step_trace(work_dir / "offline.jsonl"))
+        records = read_step_trace(work_dir / "offline.jsonl")
+        offline["steps"] = step_stats(records)
+        offline["decode_window"] = decode_window_cores(offline.pop("timeline"), records)
         served = run_served(
             workload, work_dir / "served.jsonl", args.peer_python, work_dir, args.seed, **tweaks
         )
-        served["steps"] = step_stats(read_step_trace(work_dir / "served.jsonl"))
+        records = read_step_trace(work_dir / "served.jsonl")
+        served["steps"] = step_stats(records)
+        served["decode_window"] = decode_window_cores(served.pop("timeline"), records)
     result = {
         "benchmark": "serving_profile",
         "machine": machine_info(),
@@ -308,6 +336,19 @@ def render_markdown(result: dict) -> str:
     ]
     lines += ["", "Decode-only steps, median ms by batch size:", ""]
     lines.append(markdown_table(["batch", "offline ms", "steps", "served ms", "steps"], rows))
+    lines += ["", "Cores each process used during the decode-only steps after the last prefill "
+              "(CPU seconds over wall seconds, sampled every 0.2 s):", ""]  # fmt: skip
+    labels = sorted(
+        set(offline["decode_window"].get("cores", {})) | set(served["decode_window"].get("cores", {}))
+    )
+    rows = [
+        [label, _fmt(offline["decode_window"].get("cores", {}).get(label)),
+         _fmt(served["decode_window"].get("cores", {}).get(label))]
+        for label in labels
+    ]  # fmt: skip
+    rows.append(["window s", _fmt(offline["decode_window"].get("window_s")),
+                 _fmt(served["decode_window"].get("window_s"))])  # fmt: skip
+    lines.append(markdown_table(["process", "offline cores", "served cores"], rows))
     for label, run in (("offline", offline), ("served", served)):
         lines += ["", f"## CPU, {label}", ""]
         rows = [
@@ -331,7 +372,9 @@ def render_markdown(result: dict) -> str:
 def _fmt(value) -> str:
     if value is None:
         return "n/a"
-    return f"{value:.1f}" if isinstance(value, float) else str(value)
+    return f"{value:.2f}" if isinstance(value, float) and abs(value) < 10 else (
+        f"{value:.1f}" if isinstance(value, float) else str(value)
+    )
 
 
 if __name__ == "__main__":
