@@ -20,6 +20,7 @@
 // Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -579,7 +580,7 @@ static inline void value_block(const Problem* p, const Request* r, const char* v
 // q_len * H_q * seq_len floats; `elem` is the cache's element size (4: float32, 2: bf16).
 static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head_begin,
                                   int32_t kv_head_end, int32_t head_dim, int32_t elem,
-                                  const Scratch* scratch) {
+                                  const Scratch* scratch, const char* after) {
     float* scores = scratch->scores;
     const int32_t q_begin = p->query_start[req];
     Request r = {
@@ -604,7 +605,9 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
     const int32_t first_block_key = first_visible_key(p, &r, 0) / block_size * block_size;
     for (int32_t start = first_block_key; start < r.seq_len; start += block_size) {
         const int32_t end = MIN(start + block_size, r.seq_len);
-        const char* next = end < r.seq_len ? block_rows(p, &r, p->key_cache, end, elem) : NULL;
+        const char* next = end < r.seq_len
+                               ? block_rows(p, &r, p->key_cache, end, elem)
+                               : block_rows(p, &r, p->value_cache, first_block_key, elem);
         const char* k = block_rows(p, &r, p->key_cache, start, elem);
 #if defined(__AVX512BF16__)
         if (p->fast_bf16) {
@@ -631,7 +634,7 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
     for (int32_t start = first_block_key; start < r.seq_len; start += block_size) {
         const int32_t end = MIN(start + block_size, r.seq_len);
         const char* next =
-            end < r.seq_len ? block_rows(p, &r, p->value_cache, end, elem) : NULL;
+            end < r.seq_len ? block_rows(p, &r, p->value_cache, end, elem) : after;
         const char* v = block_rows(p, &r, p->value_cache, start, elem);
 #if defined(__AVX512BF16__)
         if (p->fast_bf16) {
@@ -653,21 +656,64 @@ static inline void attend_request(const Problem* p, int32_t req, int32_t kv_head
 // Head sizes known at compile time get fully unrolled loops; each element type its own code.
 static inline void attend_typed(const Problem* p, int32_t req, int32_t kv_head_begin,
                                 int32_t kv_head_end, int32_t head_dim, int32_t elem,
-                                const Scratch* scratch) {
+                                const Scratch* scratch, const char* after) {
     switch (head_dim) {
-        case 64: attend_request(p, req, kv_head_begin, kv_head_end, 64, elem, scratch); break;
-        case 128: attend_request(p, req, kv_head_begin, kv_head_end, 128, elem, scratch); break;
-        default: attend_request(p, req, kv_head_begin, kv_head_end, head_dim, elem, scratch);
+        case 64:
+            attend_request(p, req, kv_head_begin, kv_head_end, 64, elem, scratch, after);
+            break;
+        case 128:
+            attend_request(p, req, kv_head_begin, kv_head_end, 128, elem, scratch, after);
+            break;
+        default:
+            attend_request(p, req, kv_head_begin, kv_head_end, head_dim, elem, scratch, after);
     }
 }
 
+// Request `req`'s KV heads kv_head_begin..kv_head_end-1; `after` (or NULL) is the first key
+// block of the item this thread attends next, prefetched along the item's last value block.
 static inline void attend(const Problem* p, int32_t req, int32_t kv_head_begin,
                           int32_t kv_head_end, int32_t head_dim, int32_t cache_is_bf16,
-                          const Scratch* scratch) {
+                          const Scratch* scratch, const char* after) {
     if (cache_is_bf16)
-        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 2, scratch);
+        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 2, scratch, after);
     else
-        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 4, scratch);
+        attend_typed(p, req, kv_head_begin, kv_head_end, head_dim, 4, scratch, after);
+}
+
+// The cached rows of request `req`'s first block (every KV head): what its first pass reads
+// first (a sliding window may start later; then the prefetch is merely wasted).
+static const char* first_key_block(const Problem* p, int32_t req, int32_t head_dim,
+                                   int32_t elem) {
+    const int64_t block = p->block_table[(int64_t)req * p->block_table_stride];
+    return p->key_cache + block * p->block_size * p->num_kv_heads * head_dim * elem;
+}
+
+// Items [*begin, *end) of thread `part` of `parts`: contiguous runs of about equal cost (each
+// item reads its request's cache once and scores q_len rows against it), so that a thread
+// knows its next item and can prefetch it.
+static void thread_items(const Problem* p, const int32_t* requests, int64_t num_items,
+                         int32_t split, int part, int parts, int64_t* begin, int64_t* end) {
+    int64_t total = 0;
+    for (int64_t item = 0; item < num_items; ++item) {
+        const int32_t req = requests[item / split];
+        total += (int64_t)p->seq_lens[req] * (1 + p->query_start[req + 1] - p->query_start[req]);
+    }
+    const int64_t low = total * part / parts, high = total * (part + 1) / parts;
+    int64_t so_far = 0;
+    *begin = *end = num_items;
+    for (int64_t item = 0; item < num_items; ++item) {
+        const int32_t req = requests[item / split];
+        const int64_t cost =
+            (int64_t)p->seq_lens[req] * (1 + p->query_start[req + 1] - p->query_start[req]);
+        const int64_t middle = so_far + cost / 2;  // an item goes where its middle falls
+        if (*begin == num_items && middle >= low) *begin = item;
+        if (middle >= high) {
+            *end = item;
+            break;
+        }
+        so_far += cost;
+    }
+    if (*end < *begin) *end = *begin;
 }
 
 // The head_dim the vector paths need a multiple of (the caller checks before calling).
@@ -757,13 +803,18 @@ int paged_attention(const AttentionArgs* a, int64_t max_rows_x_len) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; ++item) {
-            if (!ok) continue;
+        int64_t first_item, end_item;
+        thread_items(&problem, requests, num_items, split, omp_get_thread_num(),
+                     omp_get_num_threads(), &first_item, &end_item);
+        for (int64_t item = first_item; ok && item < end_item; ++item) {
             const int32_t begin = split == 1 ? 0 : (int32_t)(item % split);
             const int32_t end = split == 1 ? num_kv_heads : begin + 1;
+            const char* after = item + 1 < end_item
+                                    ? first_key_block(&problem, requests[(item + 1) / split],
+                                                      head_dim, (int32_t)elem)
+                                    : NULL;
             attend(&problem, requests[item / split], begin, end, head_dim, cache_is_bf16,
-                   &scratch);
+                   &scratch, after);
         }
         free(scratch.scores);
         free(scratch.query_bf16);
