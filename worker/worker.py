@@ -11,6 +11,7 @@ from common.dtypes import DTYPE_NAMES, torch_dtype
 from common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
 from common.math_utils import cdiv
 from kernels.cpu import kernel_loader as cpu_kernel_loader
+from kernels.cpu.huge_pages import empty_on_huge_pages
 from kernels.cuda.warmup import warmup
 from proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
 from proto.engine_config import DEVICES, EngineConfig
@@ -240,11 +241,13 @@ class Worker:
         config = self.model_config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, config.head_dim)
         # On CPU, untouched pages of an empty tensor cost no memory; attention reads only
-        # slots it wrote, so garbage in unused slots is never seen.
-        allocate = torch.zeros if self.device.type == "cuda" else torch.empty
+        # slots it wrote, so garbage in unused slots is never seen. Huge pages spare the
+        # scattered block reads of attention most TLB misses (kernels/cpu/huge_pages.py).
         groups = self.kv_cache_groups
         slot_tensors = [
-            allocate(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.device.type == "cuda"
+            else empty_on_huge_pages(shape, self.dtype)
             for _ in range(layers_per_group(groups))
         ]
         layer_caches: list[torch.Tensor | None] = [None] * config.num_hidden_layers

@@ -16,6 +16,7 @@ import torch
 
 from common.math_utils import round_up
 from kernels.cpu import kernel_loader as cpu_kernel_loader
+from kernels.cpu.huge_pages import empty_on_huge_pages
 
 ALIGNMENT_BYTES = 64  # the kernel's aligned loads need 32; torch's CPU allocator gives 64
 
@@ -50,7 +51,8 @@ class F32MatmulWeight:
         padded = round_up(num_columns, columns)
         rows = torch.zeros(padded, k, dtype=torch.float32)
         rows[:num_columns] = weight.detach()
-        packed = rows.view(padded // columns, columns, k).transpose(1, 2).contiguous()
+        packed = empty_on_huge_pages((padded // columns, k, columns), torch.float32)
+        packed.copy_(rows.view(padded // columns, columns, k).transpose(1, 2))
         if packed.data_ptr() % ALIGNMENT_BYTES:
             raise RuntimeError(f"packed weight at {packed.data_ptr():#x} is not 64-byte aligned")
         return F32MatmulWeight(packed, num_columns, k)
