@@ -150,7 +150,7 @@ class CpuTimeline:
         timeline.cores_used(start_s, end_s)  # {process label: cores}, time.monotonic() bounds
     """
 
-    def __init__(self, root_pid: int, period_s: float = 0.2) -> None:
+    def __init__(self, root_pid: int, period_s: float = 0.5) -> None:
         self._root_pid = root_pid
         self._period_s = period_s
         self._samples: list[tuple[float, dict[int, tuple[str, float]]]] = []

@@ -12,7 +12,7 @@ temperature) and served (`core-serve` under `vllm bench serve`). Both engines wr
 - steps: how many, their wall time (decode-only steps by batch size, prefill steps), the idle
   gap between one step's answer and the next step (the core's and the frontend's work), all
   offline beside served;
-- the cores each process used during the decode-only steps (sampled every 0.2 s), which
+- the cores each process used during the decode-only steps (sampled every 0.5 s), which
   charges the client only for what it did while the engine decoded, not its start-up;
 - the client's figures (output tok/s, TTFT, TPOT).
 `--env` sets variables for both engines (an OpenMP wait policy, say), so settings can be
@@ -337,7 +337,7 @@ def render_markdown(result: dict) -> str:
     lines += ["", "Decode-only steps, median ms by batch size:", ""]
     lines.append(markdown_table(["batch", "offline ms", "steps", "served ms", "steps"], rows))
     lines += ["", "Cores each process used during the decode-only steps after the last prefill "
-              "(CPU seconds over wall seconds, sampled every 0.2 s):", ""]  # fmt: skip
+              "(CPU seconds over wall seconds, sampled every 0.5 s):", ""]  # fmt: skip
     labels = sorted(
         set(offline["decode_window"].get("cores", {})) | set(served["decode_window"].get("cores", {}))
     )
