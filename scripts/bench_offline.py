@@ -133,7 +133,10 @@ def _burst(shape, rng, num_prompts) -> GenerationWorkload:
         "burst",
         f"{num_prompts} prompts of {shape.burst_input_len} random token ids, "
         f"{shape.burst_output_len} tokens each",
-        [[rng.randrange(low, high) for _ in range(shape.burst_input_len)] for _ in range(num_prompts)],
+        [
+            [rng.randrange(low, high) for _ in range(shape.burst_input_len)]
+            for _ in range(num_prompts)
+        ],
         [shape.burst_output_len] * num_prompts,
     )
 

@@ -339,7 +339,8 @@ def render_markdown(result: dict) -> str:
     lines += ["", "Cores each process used during the decode-only steps after the last prefill "
               "(CPU seconds over wall seconds, sampled every 0.5 s):", ""]  # fmt: skip
     labels = sorted(
-        set(offline["decode_window"].get("cores", {})) | set(served["decode_window"].get("cores", {}))
+        set(offline["decode_window"].get("cores", {}))
+        | set(served["decode_window"].get("cores", {}))
     )
     rows = [
         [label, _fmt(offline["decode_window"].get("cores", {}).get(label)),
@@ -372,8 +373,10 @@ def render_markdown(result: dict) -> str:
 def _fmt(value) -> str:
     if value is None:
         return "n/a"
-    return f"{value:.2f}" if isinstance(value, float) and abs(value) < 10 else (
-        f"{value:.1f}" if isinstance(value, float) else str(value)
+    return (
+        f"{value:.2f}"
+        if isinstance(value, float) and abs(value) < 10
+        else (f"{value:.1f}" if isinstance(value, float) else str(value))
     )
 
 

@@ -23,7 +23,9 @@ def test_frequencies_follow_the_entries_and_zero_entries_are_never_drawn():
     vocab_size = 3 * CHUNK + 88  # the last chunk is padded
     probs = _distribution_with_holes(vocab_size)
     num_draws = 40_000
-    uniforms = torch.rand(num_draws, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    uniforms = torch.rand(
+        num_draws, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
     tokens = sample_inverse_cdf(probs.expand(num_draws, -1), uniforms)
     counts = torch.bincount(tokens, minlength=vocab_size).double()
     assert counts[probs == 0].sum() == 0
@@ -51,7 +53,9 @@ def test_extreme_uniforms_take_the_first_and_the_last_positive_entry():
 def test_a_scaled_row_draws_the_same_tokens():
     probs = _distribution_with_holes(CHUNK * 2 + 1).expand(500, -1)
     uniforms = torch.rand(500, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    assert torch.equal(sample_inverse_cdf(probs, uniforms), sample_inverse_cdf(probs * 7.0, uniforms))
+    assert torch.equal(
+        sample_inverse_cdf(probs, uniforms), sample_inverse_cdf(probs * 7.0, uniforms)
+    )
 
 
 def test_each_uniform_lands_on_the_token_whose_interval_holds_it():
@@ -88,7 +92,9 @@ def test_a_tail_token_far_below_float32_resolution_keeps_its_share():
     probs[0] = 1.0
     probs[30_000] = 1e-9
     total = 1.0 + 1e-9
-    uniforms = torch.tensor([0.5, (1.0 + 0.25e-9) / total, (1.0 + 0.75e-9) / total], dtype=torch.float64)
+    uniforms = torch.tensor(
+        [0.5, (1.0 + 0.25e-9) / total, (1.0 + 0.75e-9) / total], dtype=torch.float64
+    )
     assert sample_inverse_cdf(probs.expand(3, -1), uniforms).tolist() == [0, 30_000, 30_000]
 
 
