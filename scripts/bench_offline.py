@@ -65,7 +65,8 @@ from scripts.bench_common import (
 
 TARGET_SPEEDUP = 2.0
 NUM_COMPARED_TOKENS = 8
-WORKLOAD_NAMES = ("mixed", "decode", "prefill", "burst")
+DEFAULT_WORKLOADS = ("mixed", "decode", "prefill")
+WORKLOAD_NAMES = (*DEFAULT_WORKLOADS, "burst")  # burst on request: --workloads burst
 PEER_NAMES = ("transformers", "vllm", "llama-server")
 GPU_NUM_PROMPTS = 256
 
@@ -477,7 +478,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--llama-server", default=None,
                         help="llama-server program (default: the one on PATH)")  # fmt: skip
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOAD_NAMES),
+    parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS),
                         choices=WORKLOAD_NAMES)  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=None,
                         help=f"prompts per workload (default: the workload's; {GPU_NUM_PROMPTS} "
