@@ -51,7 +51,7 @@ def _as_chunks(probs: torch.Tensor) -> torch.Tensor:
     padding = -vocab_size % CHUNK
     if padding:
         probs = torch.nn.functional.pad(probs, (0, padding))
-    return probs.view(num_rows, -1, CHUNK)
+    return probs.reshape(num_rows, -1, CHUNK)
 
 
 def _last_positive(values: torch.Tensor) -> torch.Tensor:
