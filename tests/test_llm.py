@@ -215,6 +215,26 @@ def keyboard_interrupt_on_sigint():
         signal.signal(signal.SIGINT, previous)
 
 
+def interrupt_long_generate(llm: LLM, interrupt: threading.Timer) -> None:
+    """Starts `interrupt` (a timer that sends SIGINT) and runs a generation far longer than it
+    waits, which must end in KeyboardInterrupt."""
+    interrupt.start()
+    try:
+        with keyboard_interrupt_on_sigint(), pytest.raises(KeyboardInterrupt):
+            llm.generate(["x"] * 2, SamplingParams(max_tokens=60000), use_tqdm=False)
+    finally:
+        interrupt.cancel()
+
+
+def assert_no_request_left_running(llm: LLM) -> None:
+    """The engine runs no request within 10 s (the interrupted ones were aborted)."""
+    client = llm._client
+    deadline = time.monotonic() + 10
+    while client.get_stats().num_running_reqs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.get_stats().num_running_reqs == 0
+
+
 def test_ctrl_c_in_generate_aborts_its_requests_and_the_llm_stays_usable():
     # The engine core ignores the terminal's SIGINT (its frontend decides when it stops), so
     # the interrupted requests must be aborted by the client.
@@ -222,18 +242,8 @@ def test_ctrl_c_in_generate_aborts_its_requests_and_the_llm_stays_usable():
     with LLM(**config) as llm:
         # A real SIGINT, as a terminal sends (it interrupts the main thread's wait, which
         # _thread.interrupt_main does not).
-        interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-        interrupt.start()
-        try:
-            with keyboard_interrupt_on_sigint(), pytest.raises(KeyboardInterrupt):
-                llm.generate(["x"] * 2, SamplingParams(max_tokens=60000), use_tqdm=False)
-        finally:
-            interrupt.cancel()
-        client = llm._client
-        deadline = time.monotonic() + 10
-        while client.get_stats().num_running_reqs and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.get_stats().num_running_reqs == 0
+        interrupt_long_generate(llm, threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)))
+        assert_no_request_left_running(llm)
         (output,) = llm.generate("again", SamplingParams(max_tokens=3), use_tqdm=False)
         assert len(output.outputs[0].token_ids) == 3
 
@@ -249,20 +259,10 @@ def test_ctrl_c_delivered_to_another_thread_still_interrupts_generate_at_once():
         def interrupt_from_this_thread() -> None:
             signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
-        interrupt = threading.Timer(0.5, interrupt_from_this_thread)
         start = time.monotonic()
-        interrupt.start()
-        try:
-            with keyboard_interrupt_on_sigint(), pytest.raises(KeyboardInterrupt):
-                llm.generate(["x"] * 2, SamplingParams(max_tokens=60000), use_tqdm=False)
-        finally:
-            interrupt.cancel()
+        interrupt_long_generate(llm, threading.Timer(0.5, interrupt_from_this_thread))
         assert time.monotonic() - start < 5.0
-        client = llm._client
-        deadline = time.monotonic() + 10
-        while client.get_stats().num_running_reqs and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.get_stats().num_running_reqs == 0
+        assert_no_request_left_running(llm)
 
 
 def test_a_missing_model_fails_fast_naming_the_path(tmp_path):
