@@ -274,6 +274,16 @@ def word_prompts(rng: random.Random, num_prompts: int, min_words: int, max_words
     return [make_text(rng, rng.randint(min_words, max_words)) for _ in range(num_prompts)]
 
 
+# Ids of ordinary tokens, the range vLLM's random dataset draws prompts from.
+RANDOM_TOKEN_IDS = (100, 40000)
+
+
+def random_token_prompts(rng: random.Random, num_prompts: int, length: int) -> list[list[int]]:
+    """`num_prompts` prompts of `length` token ids drawn uniformly from RANDOM_TOKEN_IDS."""
+    low, high = RANDOM_TOKEN_IDS
+    return [[rng.randrange(low, high) for _ in range(length)] for _ in range(num_prompts)]
+
+
 def exact_length_prompt(rng: random.Random, encode, num_tokens: int) -> list[int]:
     """Token ids of synthetic text, cut to exactly `num_tokens` (text is added until it fits)."""
     token_ids: list[int] = []

@@ -58,6 +58,7 @@ from scripts.bench_common import (
     exact_length_prompt,
     machine_info,
     markdown_table,
+    random_token_prompts,
     result_name,
     word_prompts,
     write_results,
@@ -90,7 +91,6 @@ class WorkloadShape:
 
 FULL_SHAPE = WorkloadShape(48, (10, 200), (16, 160), 32, 256, 16, 1000, 16)
 QUICK_SHAPE = WorkloadShape(6, (10, 60), (4, 12), 4, 16, 2, 200, 4, 4, 32, 8)
-BURST_VOCAB = (100, 40000)  # ids of ordinary tokens, as vLLM's random dataset draws them
 
 
 def build_workloads(
@@ -129,15 +129,11 @@ def _decode(shape, encode, rng, num_prompts) -> GenerationWorkload:
 
 
 def _burst(shape, rng, num_prompts) -> GenerationWorkload:
-    low, high = BURST_VOCAB
     return GenerationWorkload(
         "burst",
         f"{num_prompts} prompts of {shape.burst_input_len} random token ids, "
         f"{shape.burst_output_len} tokens each",
-        [
-            [rng.randrange(low, high) for _ in range(shape.burst_input_len)]
-            for _ in range(num_prompts)
-        ],
+        random_token_prompts(rng, num_prompts, shape.burst_input_len),
         [shape.burst_output_len] * num_prompts,
     )
 

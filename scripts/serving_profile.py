@@ -43,13 +43,13 @@ from scripts.bench_common import (
     default_hf_folder,
     machine_info,
     markdown_table,
+    random_token_prompts,
     write_results,
 )
 from scripts.vllm_bench_client import SATURATION, BurstWorkload, run_bench_serve, summary
 from scripts.vllm_peer import default_peer_python
 
 QUICK = BurstWorkload("saturation", 16, 128, 16, float("inf"))
-VOCAB_LOW, VOCAB_HIGH = 100, 40000  # ids of ordinary tokens, as vLLM's random dataset draws
 
 
 def tune_worker(root_pid: int, nice: int | None, pin: bool) -> None:
@@ -82,11 +82,7 @@ def run_offline(
     from frontend import LLM
     from proto import SamplingParams
 
-    rng = random.Random(seed)
-    prompts = [
-        [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(workload.input_len)]
-        for _ in range(workload.num_prompts)
-    ]
+    prompts = random_token_prompts(random.Random(seed), workload.num_prompts, workload.input_len)
     # What vllm bench serve's requests get: no temperature is sent, so the server's default, 1.
     params = SamplingParams(temperature=1.0, max_tokens=workload.output_len, ignore_eos=True)
     os.environ[STEP_TRACE_ENV] = str(trace_path)
