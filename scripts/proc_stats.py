@@ -92,8 +92,7 @@ def _thread_sample(pid: int, tid: int, process: str) -> ThreadSample | None:
     except OSError:
         return None
     name = stat[stat.index("(") + 1 : stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2 :].split()
-    cpu_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    cpu_s = _stat_cpu_s(stat)
     switches = {
         key: int(value)
         for key, _, value in (line.partition(":") for line in status.splitlines())
@@ -193,8 +192,12 @@ class CpuTimeline:
 def _process_cpu_s(pid: int) -> float | None:
     """utime + stime of every thread of `pid`, live and ended, in seconds."""
     try:
-        stat = (PROC / str(pid) / "stat").read_text()
+        return _stat_cpu_s((PROC / str(pid) / "stat").read_text())
     except OSError:
         return None
+
+
+def _stat_cpu_s(stat: str) -> float:
+    """utime + stime, in seconds, of a /proc stat line (a process's or a thread's)."""
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
