@@ -85,6 +85,19 @@ def test_many_rows_and_a_strided_input(kernel):
     assert_float32_sums(packed.matmul(view), view, weight)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_rows_past_one_row_block(kernel, num_threads):
+    """At k = 1536 a row block is 5 tiles (30 rows, 184 KiB of x): 97 rows go through as four
+    blocks and a part block, each through every panel of a thread's run; every row equals
+    the float64 product, and the blocked sums are the same bits as one row at a time."""
+    weight, bias, x = randn(70, 1536, seed=10), randn(70, seed=11), randn(97, 1536, seed=12)
+    packed = F32MatmulWeight.pack(weight)
+    out = with_threads(num_threads, lambda: packed.matmul(x, bias))
+    assert_float32_sums(out, x, weight, bias)
+    one_row_at_a_time = torch.cat([packed.matmul(x[r : r + 1], bias) for r in range(97)])
+    assert torch.equal(out, one_row_at_a_time)
+
+
 def test_padding_columns_are_never_stored(kernel):
     """The output has exactly num_columns columns; the next row's first columns, which a
     store of a whole padded panel would overwrite, keep the right values."""
