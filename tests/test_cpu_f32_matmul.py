@@ -15,11 +15,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import fused_ops as cpu_fused_ops
 from kernels.cpu import kernel_loader as cpu_kernel_loader
 from kernels.cpu.f32_matmul import F32MatmulWeight
 from tests.cpu_kernel_builds import AVX2, assert_float32_sums, kernel_library, requires_cpu_flags
 from worker.cpu_linear import pack_linears
-from worker.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from worker.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+)
+from worker.model_config import ModelConfig
+from worker.models.llama import LlamaMLP
 
 pytestmark = requires_cpu_flags(*AVX2.cpu_flags, kernel="f32_matmul.c")
 
@@ -145,3 +153,130 @@ def test_float32_linears_and_lm_head_run_on_the_kernel(kernel):
     assert logits.shape == (11, 100)
     assert_float32_sums(logits, x, dense["head"])
     torch.testing.assert_close(logits, F.linear(x, dense["head"]), atol=1e-4, rtol=1e-5)
+
+
+# The fused gated MLP: gate_up's matmul and SiLU-and-mul in one kernel pass. Width 16 is one
+# (gate, up) pair (fewer pairs than 2 or 3 threads), 48 three; k = 1536 at 97 rows crosses
+# row blocks.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 97])
+@pytest.mark.parametrize(("width", "k"), [(16, 8), (48, 576), (32, 1536)])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_silu_and_mul_is_the_same_bits_as_matmul_then_silu_and_mul(
+    kernel, rows, width, k, num_threads, with_bias
+):
+    weight, x = randn(2 * width, k, seed=width), randn(rows, k, seed=rows)
+    bias = randn(2 * width, seed=k) if with_bias else None
+    packed = F32MatmulWeight.pack(weight)
+    assert packed.splits_into_gate_and_up
+    fused = with_threads(num_threads, lambda: packed.matmul_silu_and_mul(x, bias))
+    assert fused.shape == (rows, width) and fused.is_contiguous()
+    two_passes = with_threads(
+        num_threads, lambda: cpu_fused_ops.silu_and_mul(packed.matmul(x, bias))
+    )
+    assert torch.equal(fused, two_passes)
+    gate_up = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]  # gate first, then up
+    torch.testing.assert_close(fused.double(), expected, atol=1e-3, rtol=1e-3)
+
+
+def test_fused_silu_and_mul_keeps_leading_dimensions_and_reads_a_strided_input(kernel):
+    weight = randn(64, 40, seed=20)
+    packed = F32MatmulWeight.pack(weight)
+    x = randn(2, 3, 40, seed=21)
+    out = packed.matmul_silu_and_mul(x)
+    assert out.shape == (2, 3, 32)
+    assert torch.equal(out.view(6, 32), packed.matmul_silu_and_mul(x.view(6, 40)))
+    wide = randn(9, 80, seed=22)
+    view = wide[:, 20:60]
+    assert torch.equal(
+        packed.matmul_silu_and_mul(view), packed.matmul_silu_and_mul(view.contiguous())
+    )
+
+
+def test_fused_silu_and_mul_refuses_halves_inside_a_panel(kernel):
+    """Halves of 24 columns meet inside the second panel: the kernel cannot pair whole gate
+    and up panels, so it refuses, naming the columns, and MergedColumnParallelLinear falls
+    back to matmul then SiLU-and-mul."""
+    packed = F32MatmulWeight.pack(randn(48, 8, seed=23))
+    assert not packed.splits_into_gate_and_up
+    with pytest.raises(ValueError, match="48 columns"):
+        packed.matmul_silu_and_mul(randn(2, 8, seed=24))
+    gate_up = MergedColumnParallelLinear(8, [24, 24])
+    gate_up.weight.data = randn(48, 8, seed=23)
+    assert pack_linears(gate_up) == 1 and not gate_up.fuses_silu_and_mul
+    x = randn(5, 8, seed=25)
+    assert torch.equal(gate_up.silu_and_mul(x), cpu_fused_ops.silu_and_mul(gate_up(x)))
+
+
+def test_gate_up_projection_fuses_silu_and_mul_on_the_kernel(kernel):
+    """A packed gate_up pair of 32 + 32 columns computes silu(gate) * up in the kernel: the
+    same bits as its matmul followed by SiLU-and-mul, and the float64 value."""
+    gate_up = MergedColumnParallelLinear(40, [32, 32])
+    gate_up.weight.data = randn(64, 40, seed=26)
+    dense = gate_up.weight.detach().clone()
+    assert not gate_up.fuses_silu_and_mul  # not packed yet: no kernel weight
+    assert pack_linears(gate_up) == 1 and gate_up.fuses_silu_and_mul
+    x = randn(11, 40, seed=27)
+    out = gate_up.silu_and_mul(x)
+    assert torch.equal(out, cpu_fused_ops.silu_and_mul(gate_up(x)))
+    hidden = x.double() @ dense.double().T
+    expected = F.silu(hidden[:, :32]) * hidden[:, 32:]
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def mlp_config(hidden_act: str) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=40,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=20,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        bos_token_id=None,
+        eos_token_ids=(0,),
+        torch_dtype="float32",
+        hidden_act=hidden_act,
+    )
+
+
+class CountingLibrary:
+    """The kernel library, counting calls of the fused gated-MLP entry point."""
+
+    def __init__(self, library) -> None:
+        self.library, self.fused_calls = library, 0
+
+    def __getattr__(self, name):
+        if name == "f32_matmul_silu_and_mul":
+            self.fused_calls += 1
+        return getattr(self.library, name)
+
+
+@pytest.mark.parametrize(("hidden_act", "fused_calls"), [("silu", 1), ("gelu_pytorch_tanh", 0)])
+def test_llama_mlp_runs_silu_in_the_gate_up_kernel(library, monkeypatch, hidden_act, fused_calls):
+    """A SiLU MLP on the float32 kernel takes the fused path (one kernel call, no
+    [tokens, 2 * I] intermediate) and outputs what the unfused layers would; a GeGLU MLP keeps
+    matmul, activation, matmul."""
+    counting = CountingLibrary(library)
+    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: counting)
+    mlp = LlamaMLP(mlp_config(hidden_act), tp_rank=0, tp_size=1)
+    for seed, param in enumerate(mlp.parameters()):
+        param.data = randn(*param.shape, seed=30 + seed)
+    x = randn(7, 40, seed=40)
+    unpacked = mlp(x)
+    assert pack_linears(mlp) == 2
+    counting.fused_calls = 0
+    out = mlp(x)
+    assert counting.fused_calls == fused_calls
+    unfused = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
+    assert torch.equal(out, unfused)
+    torch.testing.assert_close(out, unpacked, atol=1e-4, rtol=1e-4)

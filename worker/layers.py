@@ -23,6 +23,7 @@ from torch import nn
 
 from common.math_utils import cdiv
 from kernels.cpu import fused_ops as cpu_fused_ops
+from kernels.cpu.f32_matmul import F32MatmulWeight
 from worker.cpu_linear import PackableLinear
 from worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_all_reduce
 
@@ -224,14 +225,19 @@ def apply_rotary_qk(
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-class SiluAndMul(nn.Module):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * I] -> silu(first half) * second half, [..., I] (gate, then up)."""
+    if x.dim() == 2 and cpu_fused_ops.supports(x):
+        return cpu_fused_ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    """`silu_and_mul` as a module (a model's `act_fn`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_fused_ops.supports(x):
-            return cpu_fused_ops.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
 
 class GeluTanhAndMul(nn.Module):
@@ -308,6 +314,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[1:]))
         shard = param.data.narrow(0, offset, size)
         default_weight_loader(shard, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+    @property
+    def fuses_silu_and_mul(self) -> bool:
+        """Whether `silu_and_mul` runs inside the matmul: a gate_up pair of equal halves on the
+        float32 kernel (kernels/cpu/f32_matmul.py), split on one of its panel boundaries."""
+        weight = self.kernel_weight
+        return (
+            isinstance(weight, F32MatmulWeight)
+            and len(self.output_sizes) == 2
+            and self.output_sizes[0] == self.output_sizes[1]
+            and weight.splits_into_gate_and_up
+        )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x), [..., output_size_per_rank / 2]: one kernel pass where
+        `fuses_silu_and_mul`, else this matmul then `SiluAndMul` (same result either way)."""
+        if self.fuses_silu_and_mul:
+            return self.kernel_weight.matmul_silu_and_mul(x, self.bias)
+        return silu_and_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -14,6 +14,8 @@
 
 #include <stdint.h>
 
+#include "scalar_math.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define F32_MATMUL_BUILT 1
 #include <immintrin.h>
@@ -24,12 +26,15 @@
 #define LINE_BYTES 64  // one k of a panel
 
 // Where one tile's rows go: the tile's first output element, the output's row stride, the
-// tile's first bias element (or NULL) and how many of the panel's columns are real.
+// tile's first bias element (or NULL) and how many of the panel's columns are real. With a
+// `gate` (the same tile of the gate projection, [rows][PANEL_COLUMNS]; only for whole panels)
+// the tile is the up projection and stores silu(gate) * up instead of its sums.
 typedef struct {
     float* out;
     int64_t stride;
     const float* bias;
     int32_t num_columns;
+    const float* gate;
 } TileOutput;
 
 // Lanes of `first_column`..+7 that are below num_columns, as a maskload/maskstore mask.
@@ -38,10 +43,22 @@ static inline __m256i column_mask(int32_t num_columns, int32_t first_column) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(num_columns - first_column), lanes);
 }
 
+// dst[c] = silu(gate[c]) * up[c] for 8 columns: the same silu, vectorized the same way, as
+// fused_ops.c's silu_and_mul, so fusing it here changes no bit.
+static inline void store_silu_and_mul(float* dst, const float* gate, __m256 up) {
+    float up_values[8];
+    _mm256_storeu_ps(up_values, up);
+#pragma omp simd
+    for (int c = 0; c < 8; ++c) dst[c] = silu(gate[c]) * up_values[c];
+}
+
 static inline void store_half(const TileOutput* o, int r, int half, __m256 sums) {
     const int32_t first = half * 8;
     float* dst = o->out + r * o->stride + first;
-    if (o->num_columns >= first + 8) {
+    if (o->gate != NULL) {
+        if (o->bias != NULL) sums = _mm256_add_ps(sums, _mm256_loadu_ps(o->bias + first));
+        store_silu_and_mul(dst, o->gate + r * PANEL_COLUMNS + first, sums);
+    } else if (o->num_columns >= first + 8) {
         if (o->bias != NULL) sums = _mm256_add_ps(sums, _mm256_loadu_ps(o->bias + first));
         _mm256_storeu_ps(dst, sums);
     } else if (o->num_columns > first) {
@@ -124,11 +141,18 @@ static void row_block(const float* x, int64_t x_stride, const float* packed, con
                 num_columns,
                 bias != NULL ? bias + first_column : NULL,
                 (int32_t)(columns_left < PANEL_COLUMNS ? columns_left : PANEL_COLUMNS),
+                NULL,
             };
             tile_rows(x + row * x_stride, x_stride, w, k, &o, next + first_line * LINE_BYTES,
                       end_line - first_line, num_rows);
         }
     }
+}
+
+// Row tiles per row block at this k: ROW_BLOCK_BYTES of x, at least one tile.
+static inline int64_t row_block_tiles(int64_t k) {
+    const int64_t tile_bytes = TILE_ROWS * k * (int64_t)sizeof(float);
+    return tile_bytes < ROW_BLOCK_BYTES ? ROW_BLOCK_BYTES / tile_bytes : 1;
 }
 
 // All rows times panels [first_panel, end_panel), in row blocks of at most ROW_BLOCK_BYTES of
@@ -140,12 +164,50 @@ static void panel_run(const float* x, int64_t x_stride, const float* packed, con
                       float* out, int64_t rows, int64_t k, int64_t num_columns,
                       int64_t first_panel, int64_t end_panel) {
     const int64_t num_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t tile_bytes = TILE_ROWS * k * (int64_t)sizeof(float);
-    const int64_t block_tiles = tile_bytes < ROW_BLOCK_BYTES ? ROW_BLOCK_BYTES / tile_bytes : 1;
+    const int64_t block_tiles = row_block_tiles(k);
     for (int64_t first = 0; first < num_tiles; first += block_tiles)
         row_block(x, x_stride, packed, bias, out, rows, k, num_columns, first_panel, end_panel,
                   num_tiles, first, first + block_tiles < num_tiles ? first + block_tiles
                                                                     : num_tiles);
+}
+
+// Row tiles [first_tile, end_tile) through the (gate, up) panel pairs [first_pair, end_pair)
+// of a gate_up weight whose up half starts at panel `num_pairs`: per tile, the gate panel's
+// sums go to a 6 x 16 scratch (L1), then the up panel's tile stores silu(gate) * up into
+// `out` [rows, num_pairs * PANEL_COLUMNS]. The gate tile prefetches its up panel, the up tile
+// the next pair's gate panel.
+static void gated_row_block(const float* x, int64_t x_stride, const float* packed,
+                            const float* bias, float* out, int64_t rows, int64_t k,
+                            int64_t num_pairs, int64_t first_pair, int64_t end_pair,
+                            int64_t num_tiles, int64_t first_tile, int64_t end_tile) {
+    const int64_t block_tiles = end_tile - first_tile;
+    const int64_t width = num_pairs * PANEL_COLUMNS;
+    float gate[TILE_ROWS * PANEL_COLUMNS] __attribute__((aligned(32)));
+    for (int64_t j = first_pair; j < end_pair; ++j) {
+        const float* w_gate = packed + j * k * PANEL_COLUMNS;
+        const float* w_up = packed + (num_pairs + j) * k * PANEL_COLUMNS;
+        const int64_t next_lines = j + 1 < end_pair ? k : 0;
+        const float* gate_bias = bias != NULL ? bias + j * PANEL_COLUMNS : NULL;
+        const float* up_bias = bias != NULL ? bias + width + j * PANEL_COLUMNS : NULL;
+        for (int64_t t = first_tile; t < end_tile; ++t) {
+            const int64_t row = rows * t / num_tiles;
+            const int num_rows = (int)(rows * (t + 1) / num_tiles - row);
+            const int64_t first_line = k * (t - first_tile) / block_tiles;
+            const int64_t end_line = k * (t - first_tile + 1) / block_tiles;
+            const int64_t first_next = next_lines * (t - first_tile) / block_tiles;
+            const int64_t end_next = next_lines * (t - first_tile + 1) / block_tiles;
+            const float* x_rows = x + row * x_stride;
+            const TileOutput to_gate = {gate, PANEL_COLUMNS, gate_bias, PANEL_COLUMNS, NULL};
+            const TileOutput to_out = {out + row * width + j * PANEL_COLUMNS, width, up_bias,
+                                       PANEL_COLUMNS, gate};
+            tile_rows(x_rows, x_stride, w_gate, k, &to_gate,
+                      (const char*)w_up + first_line * LINE_BYTES, end_line - first_line,
+                      num_rows);
+            tile_rows(x_rows, x_stride, w_up, k, &to_out,
+                      (const char*)(w_gate + k * PANEL_COLUMNS) + first_next * LINE_BYTES,
+                      end_next - first_next, num_rows);
+        }
+    }
 }
 #endif
 
@@ -176,5 +238,32 @@ void f32_matmul(const float* x, int64_t x_stride, const float* packed, const flo
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)rows, (void)k;
     (void)num_panels, (void)num_columns, (void)num_threads;
+#endif
+}
+
+// out [rows, width] = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) for a gate_up weight
+// packed as above with its up half starting at panel num_pairs (width = num_pairs * 16: the
+// halves split on a panel boundary), bias [2 * width] or NULL: the gated MLP's matmul and
+// activation in one pass, without the [rows, 2 * width] intermediate. Pairs are split over
+// `num_threads` threads in contiguous runs; rows go in row blocks as in f32_matmul.
+void f32_matmul_silu_and_mul(const float* x, int64_t x_stride, const float* packed,
+                             const float* bias, float* out, int64_t rows, int64_t k,
+                             int64_t num_pairs, int32_t num_threads) {
+#if defined(F32_MATMUL_BUILT)
+    const int64_t num_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t block_tiles = row_block_tiles(k);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+        const int64_t first_pair = num_pairs * part / parts;
+        const int64_t end_pair = num_pairs * (part + 1) / parts;
+        for (int64_t first = 0; first < num_tiles; first += block_tiles)
+            gated_row_block(x, x_stride, packed, bias, out, rows, k, num_pairs, first_pair,
+                            end_pair, num_tiles, first,
+                            first + block_tiles < num_tiles ? first + block_tiles : num_tiles);
+    }
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)rows, (void)k;
+    (void)num_pairs, (void)num_threads;
 #endif
 }

@@ -66,17 +66,10 @@ class F32MatmulWeight:
         """x [..., k] -> x W^T + bias, [..., num_columns] float32 (`out_dtype` None or
         float32), summed in float32. Called for every linear of every step, so a float32 x
         with unit column stride goes to the kernel as it is (any row stride)."""
-        if x.shape[-1] != self.k:
-            raise ValueError(f"f32 matmul needs x of shape [..., {self.k}], got {tuple(x.shape)}")
         if out_dtype not in (None, torch.float32):
             raise ValueError(f"f32 matmul outputs float32, not {out_dtype}")
-        leading = x.shape[:-1]
-        rows = x.reshape(-1, self.k).to(torch.float32)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        if bias is not None:
-            bias = bias.to(torch.float32).contiguous()
-        out = torch.empty((*leading, self.num_columns), dtype=torch.float32)
+        rows, bias = self._kernel_operands(x, bias)
+        out = torch.empty((*x.shape[:-1], self.num_columns), dtype=torch.float32)
         cpu_kernel_loader.load().f32_matmul(
             rows.data_ptr(),
             rows.stride(0),
@@ -90,3 +83,51 @@ class F32MatmulWeight:
             torch.get_num_threads(),
         )
         return out
+
+    @property
+    def splits_into_gate_and_up(self) -> bool:
+        """Whether this is a gate_up weight `matmul_silu_and_mul` takes: two halves that meet
+        on a panel boundary (the half width a multiple of 16 columns)."""
+        return self.num_columns % (2 * self.packed.shape[2]) == 0
+
+    def matmul_silu_and_mul(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [..., k] -> silu(gate) * up, [..., num_columns / 2] float32, where gate and up are
+        the first and second half of x W^T + bias: the gated MLP's matmul and SiLU-and-mul in
+        one pass (the same bits as `matmul` then fused_ops' silu_and_mul, without the
+        [..., num_columns] intermediate). Needs `splits_into_gate_and_up`."""
+        if not self.splits_into_gate_and_up:
+            raise ValueError(
+                f"matmul_silu_and_mul needs halves that are whole panels of "
+                f"{self.packed.shape[2]} columns; this weight has {self.num_columns} columns"
+            )
+        rows, bias = self._kernel_operands(x, bias)
+        width = self.num_columns // 2
+        out = torch.empty((*x.shape[:-1], width), dtype=torch.float32)
+        cpu_kernel_loader.load().f32_matmul_silu_and_mul(
+            rows.data_ptr(),
+            rows.stride(0),
+            self.packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows.shape[0],
+            self.k,
+            width // self.packed.shape[2],
+            torch.get_num_threads(),
+        )
+        return out
+
+    def _kernel_operands(
+        self, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x as float32 [rows, k] with unit column stride (any row stride: a view goes as it
+        is), and the bias as contiguous float32."""
+        if x.shape[-1] != self.k:
+            raise ValueError(f"f32 matmul needs x of shape [..., {self.k}], got {tuple(x.shape)}")
+        rows = x.reshape(-1, self.k).to(torch.float32)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if bias is not None:
+            bias = bias.to(torch.float32).contiguous()
+        return rows, bias

@@ -209,6 +209,11 @@ def _declare(library: ctypes.CDLL) -> None:
     _signature(
         library.f32_matmul, [pointer, i64, pointer, pointer, pointer, i64, i64, i64, i64, i32]
     )
+    # x, x_stride, packed, bias, out, rows, k, num_pairs, num_threads
+    _signature(
+        library.f32_matmul_silu_and_mul,
+        [pointer, i64, pointer, pointer, pointer, i64, i64, i64, i32],
+    )
 
 
 def _signature(function, argtypes: list, restype=None) -> None:

@@ -26,6 +26,7 @@ from worker.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    SiluAndMul,
     VocabParallelEmbedding,
     apply_rotary_qk,
     residual_dtype,
@@ -110,6 +111,8 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.act_fn, SiluAndMul):
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
