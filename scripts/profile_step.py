@@ -7,6 +7,9 @@ part. Steps are split into decode steps (every scheduled request runs one token)
 steps (at least one request runs a prompt chunk); each kind gets milliseconds per step and the
 share of each part. Timers nest: a part's time excludes the timed parts inside it, and
 "forward, untimed" is what remains of the model call (residual adds, reshapes, Python).
+Where the float32 kernel fuses a SiLU MLP's gate_up matmul with SiLU-and-mul, that call is its
+own part ("gate_up + SiLU-and-mul, fused") and the SiLU-and-mul and gate_up shares of the
+other two parts are zero.
 IPC is what the multi-process engine adds per step, measured here on the step's real messages:
 encoding the `SchedulerOutput` and `ModelRunnerOutput`, one trip each through a socketpair
 (`MessagePipe`), decoding.
@@ -58,20 +61,32 @@ from worker.host_allocator import keep_freed_memory
 from worker.local_executor import LocalExecutor
 from worker.models import llama
 
-PARTS = (
-    "linears (qkv, o, gate_up, down)",
-    "attention (KV write + paged attention)",
-    "norms and rotary",
-    "SiLU-and-mul",
-    "embedding",
-    "LM head",
-    "sampling",
-    "forward, untimed (residual adds, reshapes, Python)",
-    "host-side preparation (batch update, metadata)",
-    "scheduler (schedule + update_from_output)",
-    "IPC (encode, socketpair, decode)",
-)
+LINEARS = "linears (qkv, o, gate_up, down)"
+ATTENTION = "attention (KV write + paged attention)"
+NORMS = "norms and rotary"
+SILU = "SiLU-and-mul"
+FUSED_GATE_UP = "gate_up + SiLU-and-mul, fused in one kernel"
+EMBEDDING = "embedding"
+LM_HEAD = "LM head"
+SAMPLING = "sampling"
 FORWARD = "forward, untimed (residual adds, reshapes, Python)"
+HOST = "host-side preparation (batch update, metadata)"
+SCHEDULER = "scheduler (schedule + update_from_output)"
+IPC = "IPC (encode, socketpair, decode)"
+PARTS = (
+    LINEARS,
+    ATTENTION,
+    NORMS,
+    SILU,
+    FUSED_GATE_UP,
+    EMBEDDING,
+    LM_HEAD,
+    SAMPLING,
+    FORWARD,
+    HOST,
+    SCHEDULER,
+    IPC,
+)
 
 
 class PartTimer:
@@ -113,23 +128,25 @@ class PartTimer:
 def instrument(timer: PartTimer) -> None:
     """Puts a timer around every part of the worker's step (patches classes of this process)."""
     for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
-        timer.wrap(cls, "forward", PARTS[0])
-    timer.wrap(llama, "write_kv_and_attend", PARTS[1])
+        timer.wrap(cls, "forward", LINEARS)
+    timer.wrap(llama, "write_kv_and_attend", ATTENTION)
     for owner, attribute in (
         (layers.RMSNorm, "forward"),
         (layers.RotaryEmbedding, "forward"),
         (llama, "apply_rotary_qk"),
     ):
-        timer.wrap(owner, attribute, PARTS[2])
-    timer.wrap(layers.SiluAndMul, "forward", PARTS[3])
-    timer.wrap(layers.VocabParallelEmbedding, "forward", PARTS[4])
-    timer.wrap(layers.ParallelLMHead, "compute_logits", PARTS[5])
-    timer.wrap(sampler.Sampler, "__call__", PARTS[6])
+        timer.wrap(owner, attribute, NORMS)
+    # The module function: SiluAndMul and a gate_up projection that cannot fuse both call it.
+    timer.wrap(layers, "silu_and_mul", SILU)
+    timer.wrap(layers.MergedColumnParallelLinear, "silu_and_mul", FUSED_GATE_UP)
+    timer.wrap(layers.VocabParallelEmbedding, "forward", EMBEDDING)
+    timer.wrap(layers.ParallelLMHead, "compute_logits", LM_HEAD)
+    timer.wrap(sampler.Sampler, "__call__", SAMPLING)
     timer.wrap(model_runner.ModelRunner, "execute_model", FORWARD)
     for attribute in ("schedule", "update_from_output"):
-        timer.wrap(Scheduler, attribute, PARTS[9])
+        timer.wrap(Scheduler, attribute, SCHEDULER)
     for attribute in ("_update_states", "_prepare_inputs"):
-        timer.wrap(model_runner.ModelRunner, attribute, PARTS[8])
+        timer.wrap(model_runner.ModelRunner, attribute, HOST)
 
 
 class MessageRoundTrip:
@@ -165,10 +182,10 @@ class ProfiledExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.last_scheduler_output = scheduler_output
-        with self.timer.part(PARTS[10]):
+        with self.timer.part(IPC):
             self.ipc(scheduler_output)
         output = self.executor.execute_model(scheduler_output)
-        with self.timer.part(PARTS[10]):
+        with self.timer.part(IPC):
             self.ipc(output)
         return output
 

@@ -29,6 +29,7 @@ import torch
 from core.kv_cache_manager import KVCacheManager
 from core.step_trace import StepRecord
 from frontend.text.null_tokenizer import NullTokenizer
+from kernels.cpu import f32_matmul as cpu_f32_matmul
 from kernels.cuda import backend as cuda_backend
 from scripts import (
     bench_attention,
@@ -934,9 +935,13 @@ def test_profile_step_quick_times_every_part(tmp_path):
         summary = result["summary"][kind]
         assert summary["num_steps"] > 0
         parts = summary["parts_ms_per_step"]
-        for part in ("linears", "attention", "norms", "SiLU", "LM head", "sampling"):
+        for part in ("linears", "attention", "norms", "LM head", "sampling"):
             (name,) = [name for name in parts if name.startswith(part)]
             assert parts[name] > 0, f"{kind}: {name} was never timed"
+        # The MLP's activation runs on its own or inside the gate_up kernel, never both ways.
+        fused = parts["gate_up + SiLU-and-mul, fused in one kernel"] > 0
+        assert fused != (parts["SiLU-and-mul"] > 0), f"{kind}: {parts}"
+        assert fused == (cpu_f32_matmul.panel_columns() > 0)
 
 
 @pytest.mark.slow
