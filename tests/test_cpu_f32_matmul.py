@@ -11,6 +11,9 @@ at the end of the run as kernel tests this host skipped.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,7 +96,7 @@ def test_many_rows_and_a_strided_input(kernel):
     assert_float32_sums(packed.matmul(view), view, weight)
 
 
-@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_rows_past_one_row_block(kernel, num_threads):
     """At k = 1536 a row block is 5 tiles (30 rows, 184 KiB of x): 97 rows go through as four
     blocks and a part block, each through every panel of a thread's run; every row equals
@@ -104,6 +107,25 @@ def test_rows_past_one_row_block(kernel, num_threads):
     assert_float32_sums(out, x, weight, bias)
     one_row_at_a_time = torch.cat([packed.matmul(x[r : r + 1], bias) for r in range(97)])
     assert torch.equal(out, one_row_at_a_time)
+
+
+def test_threads_sharing_their_runs_under_contention_compute_every_output_once(kernel):
+    """Two threads split the units and the first done takes the rest of the other's run: with
+    a busy process competing for a core the split moves from call to call, and every call
+    still equals the one-thread product bit for bit (no unit lost: the output is uninitialized
+    memory; none computed twice differently: each is one tile's k-ordered sum)."""
+    weight, x = randn(1024, 1536, seed=14), randn(197, 1536, seed=15)
+    packed = F32MatmulWeight.pack(weight)
+    expected = with_threads(1, lambda: packed.matmul(x))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for _ in range(20):
+            assert torch.equal(with_threads(2, lambda: packed.matmul(x)), expected)
+            gated = with_threads(2, lambda: packed.matmul_silu_and_mul(x[:37]))
+            assert torch.equal(gated, cpu_fused_ops.silu_and_mul(expected[:37]))
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_padding_columns_are_never_stored(kernel):

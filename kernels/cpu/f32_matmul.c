@@ -6,10 +6,13 @@
 // columns, [N / 16][K][16] with N padded to a multiple of 16, so one k of a panel is one
 // 64-byte cache line: two 8-float vectors. A tile of TILE_ROWS rows x one panel keeps its
 // 6 x 2 sums in 12 registers (plus 2 weight vectors and 1 broadcast of x: 15 of 16), the usual
-// AVX2 micro-kernel shape. Each thread takes a contiguous run of panels; while its row tiles
+// AVX2 micro-kernel shape. Each thread owns a contiguous run of panels; while its row tiles
 // work on one panel (from L1/L2 after the first tile), they prefetch the next panel, spread
 // evenly over the tiles, so memory streams the weight while the FMAs run instead of between
-// panels. `out` is contiguous [M, N]: padding columns are computed and never stored.
+// panels. A thread done with its run takes what is left of the others' from their ends (see
+// share_units), so a core slowed by another process does not hold the call up. `out` is
+// contiguous [M, N]: padding columns are computed and never stored. The gated MLP's gate_up
+// matmul can store silu(gate) * up instead (f32_matmul_silu_and_mul).
 // Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <stdint.h>
@@ -20,6 +23,7 @@
 #define F32_MATMUL_BUILT 1
 #include <immintrin.h>
 #include <omp.h>
+#include <stdatomic.h>
 
 #define PANEL_COLUMNS 16
 #define TILE_ROWS 6
@@ -115,99 +119,163 @@ static void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t 
 // x bytes of one row block: under half of a 512 KiB L2 (Zen 3), room left for the panel.
 #define ROW_BLOCK_BYTES (192 * 1024)
 
-// Row tiles [first_tile, end_tile) of `num_tiles` through every panel of
-// [first_panel, end_panel), prefetching each panel's successor within the run. Rows are split
-// evenly over the fewest tiles of at most TILE_ROWS (27 rows: 6, 6, 5, 5, 5): a tile of r rows
-// keeps 2r FMA chains going, and below 4 rows (8 chains, two FMA units of latency 4) it waits
-// on its own sums.
-static void row_block(const float* x, int64_t x_stride, const float* packed, const float* bias,
-                      float* out, int64_t rows, int64_t k, int64_t num_columns,
-                      int64_t first_panel, int64_t end_panel, int64_t num_tiles,
-                      int64_t first_tile, int64_t end_tile) {
-    const int64_t block_tiles = end_tile - first_tile;
-    for (int64_t p = first_panel; p < end_panel; ++p) {
-        const float* w = packed + p * k * PANEL_COLUMNS;
-        const char* next = (const char*)(w + k * PANEL_COLUMNS);
-        const int64_t next_lines = p + 1 < end_panel ? k : 0;
-        const int64_t first_column = p * PANEL_COLUMNS;
-        const int64_t columns_left = num_columns - first_column;
-        for (int64_t t = first_tile; t < end_tile; ++t) {
-            const int64_t row = rows * t / num_tiles;
-            const int num_rows = (int)(rows * (t + 1) / num_tiles - row);
-            const int64_t first_line = next_lines * (t - first_tile) / block_tiles;
-            const int64_t end_line = next_lines * (t - first_tile + 1) / block_tiles;
-            const TileOutput o = {
-                out + row * num_columns + first_column,
-                num_columns,
-                bias != NULL ? bias + first_column : NULL,
-                (int32_t)(columns_left < PANEL_COLUMNS ? columns_left : PANEL_COLUMNS),
-                NULL,
-            };
-            tile_rows(x + row * x_stride, x_stride, w, k, &o, next + first_line * LINE_BYTES,
-                      end_line - first_line, num_rows);
-        }
-    }
-}
+// One call as its threads share it. A unit of work is one row block (at most ROW_BLOCK_BYTES
+// of x, so it stays in L2 while the panels stream past it) times one panel, or for the gated
+// MLP one (gate, up) pair of panels. Thread r of T owns the panels [P r / T, P (r + 1) / T) of
+// every row block and goes through them block by block: a decode batch (one block) is a run of
+// panels, and a prompt no longer reads all of its x from L3 again for every panel (941 rows x
+// 576: 2 MiB per panel). Every output is one tile's k-ordered sum whichever thread computes
+// it: the sharing changes no bit.
+typedef struct {
+    const float* x;
+    int64_t x_stride;
+    const float* packed;
+    const float* bias;
+    float* out;
+    int64_t rows, k;
+    int64_t num_columns;      // of `out`
+    int64_t units_per_block;  // panels, or (gate, up) pairs when `gated`
+    int gated;
+    int64_t num_tiles, block_tiles, num_blocks;
+} Matmul;
 
-// Row tiles per row block at this k: ROW_BLOCK_BYTES of x, at least one tile.
-static inline int64_t row_block_tiles(int64_t k) {
+static Matmul matmul_of(const float* x, int64_t x_stride, const float* packed,
+                        const float* bias, float* out, int64_t rows, int64_t k,
+                        int64_t num_columns, int64_t units_per_block, int gated) {
     const int64_t tile_bytes = TILE_ROWS * k * (int64_t)sizeof(float);
-    return tile_bytes < ROW_BLOCK_BYTES ? ROW_BLOCK_BYTES / tile_bytes : 1;
-}
-
-// All rows times panels [first_panel, end_panel), in row blocks of at most ROW_BLOCK_BYTES of
-// x, each block through every panel: the block stays in L2 while the panels stream past it,
-// where all rows per panel would read a prompt's whole x from L3 again for every panel
-// (941 rows x 576: 2 MiB per panel). A decode batch is one block. Every output is still one
-// tile's k-ordered sum, so the blocking changes no bit of it.
-static void panel_run(const float* x, int64_t x_stride, const float* packed, const float* bias,
-                      float* out, int64_t rows, int64_t k, int64_t num_columns,
-                      int64_t first_panel, int64_t end_panel) {
     const int64_t num_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t block_tiles = row_block_tiles(k);
-    for (int64_t first = 0; first < num_tiles; first += block_tiles)
-        row_block(x, x_stride, packed, bias, out, rows, k, num_columns, first_panel, end_panel,
-                  num_tiles, first, first + block_tiles < num_tiles ? first + block_tiles
-                                                                    : num_tiles);
+    const int64_t block_tiles = tile_bytes < ROW_BLOCK_BYTES ? ROW_BLOCK_BYTES / tile_bytes : 1;
+    const Matmul m = {x,           x_stride,        packed, bias,      out,
+                      rows,        k,               num_columns, units_per_block, gated,
+                      num_tiles,   block_tiles,     (num_tiles + block_tiles - 1) / block_tiles};
+    return m;
 }
 
-// Row tiles [first_tile, end_tile) through the (gate, up) panel pairs [first_pair, end_pair)
-// of a gate_up weight whose up half starts at panel `num_pairs`: per tile, the gate panel's
-// sums go to a 6 x 16 scratch (L1), then the up panel's tile stores silu(gate) * up into
-// `out` [rows, num_pairs * PANEL_COLUMNS]. The gate tile prefetches its up panel, the up tile
-// the next pair's gate panel.
-static void gated_row_block(const float* x, int64_t x_stride, const float* packed,
-                            const float* bias, float* out, int64_t rows, int64_t k,
-                            int64_t num_pairs, int64_t first_pair, int64_t end_pair,
-                            int64_t num_tiles, int64_t first_tile, int64_t end_tile) {
-    const int64_t block_tiles = end_tile - first_tile;
-    const int64_t width = num_pairs * PANEL_COLUMNS;
-    float gate[TILE_ROWS * PANEL_COLUMNS] __attribute__((aligned(32)));
-    for (int64_t j = first_pair; j < end_pair; ++j) {
-        const float* w_gate = packed + j * k * PANEL_COLUMNS;
-        const float* w_up = packed + (num_pairs + j) * k * PANEL_COLUMNS;
-        const int64_t next_lines = j + 1 < end_pair ? k : 0;
-        const float* gate_bias = bias != NULL ? bias + j * PANEL_COLUMNS : NULL;
-        const float* up_bias = bias != NULL ? bias + width + j * PANEL_COLUMNS : NULL;
-        for (int64_t t = first_tile; t < end_tile; ++t) {
-            const int64_t row = rows * t / num_tiles;
-            const int num_rows = (int)(rows * (t + 1) / num_tiles - row);
-            const int64_t first_line = k * (t - first_tile) / block_tiles;
-            const int64_t end_line = k * (t - first_tile + 1) / block_tiles;
-            const int64_t first_next = next_lines * (t - first_tile) / block_tiles;
-            const int64_t end_next = next_lines * (t - first_tile + 1) / block_tiles;
-            const float* x_rows = x + row * x_stride;
-            const TileOutput to_gate = {gate, PANEL_COLUMNS, gate_bias, PANEL_COLUMNS, NULL};
-            const TileOutput to_out = {out + row * width + j * PANEL_COLUMNS, width, up_bias,
-                                       PANEL_COLUMNS, gate};
-            tile_rows(x_rows, x_stride, w_gate, k, &to_gate,
-                      (const char*)w_up + first_line * LINE_BYTES, end_line - first_line,
-                      num_rows);
-            tile_rows(x_rows, x_stride, w_up, k, &to_out,
-                      (const char*)(w_gate + k * PANEL_COLUMNS) + first_next * LINE_BYTES,
-                      end_next - first_next, num_rows);
-        }
+static inline const float* panel_at(const Matmul* m, int64_t panel) {
+    return m->packed + panel * m->k * PANEL_COLUMNS;
+}
+
+// Row tiles [first_tile, end_tile) through panel `panel`, prefetching `next` (a panel, or NULL)
+// spread evenly over the tiles, so memory streams the next weight while the FMAs run. Rows are
+// split evenly over the fewest tiles of at most TILE_ROWS (27 rows: 6, 6, 5, 5, 5): a tile of r
+// rows keeps 2r FMA chains going, and below 4 rows (8 chains, two FMA units of latency 4) it
+// waits on its own sums.
+static void panel_tiles(const Matmul* m, int64_t panel, int64_t first_tile, int64_t end_tile,
+                        const float* next) {
+    const int64_t k = m->k, block_tiles = end_tile - first_tile;
+    const int64_t next_lines = next != NULL ? k : 0;
+    const int64_t first_column = panel * PANEL_COLUMNS;
+    const int64_t columns_left = m->num_columns - first_column;
+    for (int64_t t = first_tile; t < end_tile; ++t) {
+        const int64_t row = m->rows * t / m->num_tiles;
+        const int num_rows = (int)(m->rows * (t + 1) / m->num_tiles - row);
+        const int64_t first_line = next_lines * (t - first_tile) / block_tiles;
+        const int64_t end_line = next_lines * (t - first_tile + 1) / block_tiles;
+        const TileOutput o = {
+            m->out + row * m->num_columns + first_column,
+            m->num_columns,
+            m->bias != NULL ? m->bias + first_column : NULL,
+            (int32_t)(columns_left < PANEL_COLUMNS ? columns_left : PANEL_COLUMNS),
+            NULL,
+        };
+        tile_rows(m->x + row * m->x_stride, m->x_stride, panel_at(m, panel), k, &o,
+                  (const char*)next + first_line * LINE_BYTES, end_line - first_line,
+                  num_rows);
     }
+}
+
+// Row tiles [first_tile, end_tile) through (gate, up) pair j of a gate_up weight whose up half
+// starts at panel units_per_block: per tile, the gate panel's sums go to a 6 x 16 scratch
+// (L1), then the up panel's tile stores silu(gate) * up into `out` [rows, num_columns]. The
+// gate tiles prefetch the up panel, the up tiles `next` (the next pair's gate panel, or NULL).
+static void pair_tiles(const Matmul* m, int64_t j, int64_t first_tile, int64_t end_tile,
+                       const float* next) {
+    const int64_t k = m->k, block_tiles = end_tile - first_tile;
+    const int64_t next_lines = next != NULL ? k : 0;
+    const float* w_gate = panel_at(m, j);
+    const float* w_up = panel_at(m, m->units_per_block + j);
+    const float* gate_bias = m->bias != NULL ? m->bias + j * PANEL_COLUMNS : NULL;
+    const float* up_bias = m->bias != NULL ? m->bias + m->num_columns + j * PANEL_COLUMNS : NULL;
+    float gate[TILE_ROWS * PANEL_COLUMNS] __attribute__((aligned(32)));
+    for (int64_t t = first_tile; t < end_tile; ++t) {
+        const int64_t row = m->rows * t / m->num_tiles;
+        const int num_rows = (int)(m->rows * (t + 1) / m->num_tiles - row);
+        const int64_t first_line = k * (t - first_tile) / block_tiles;
+        const int64_t end_line = k * (t - first_tile + 1) / block_tiles;
+        const int64_t first_next = next_lines * (t - first_tile) / block_tiles;
+        const int64_t end_next = next_lines * (t - first_tile + 1) / block_tiles;
+        const float* x_rows = m->x + row * m->x_stride;
+        const TileOutput to_gate = {gate, PANEL_COLUMNS, gate_bias, PANEL_COLUMNS, NULL};
+        const TileOutput to_out = {m->out + row * m->num_columns + j * PANEL_COLUMNS,
+                                   m->num_columns, up_bias, PANEL_COLUMNS, gate};
+        tile_rows(x_rows, m->x_stride, w_gate, k, &to_gate,
+                  (const char*)w_up + first_line * LINE_BYTES, end_line - first_line, num_rows);
+        tile_rows(x_rows, m->x_stride, w_up, k, &to_out,
+                  (const char*)next + first_next * LINE_BYTES, end_next - first_next, num_rows);
+    }
+}
+
+// Row block `block` times panel (or pair) `panel`, prefetching weight panel `next` (-1: none).
+static void run_unit(const Matmul* m, int64_t block, int64_t panel, int64_t next) {
+    const int64_t first_tile = block * m->block_tiles;
+    const int64_t end_tile =
+        first_tile + m->block_tiles < m->num_tiles ? first_tile + m->block_tiles : m->num_tiles;
+    const float* next_panel = next >= 0 ? panel_at(m, next) : NULL;
+    if (m->gated)
+        pair_tiles(m, panel, first_tile, end_tile, next_panel);
+    else
+        panel_tiles(m, panel, first_tile, end_tile, next_panel);
+}
+
+// The units of one thread's run: its owner takes them from the front, a thread done with its
+// own run takes them from the back. `claimed` counts both, so together they never take more
+// than the run holds and no unit is taken twice.
+typedef struct {
+    _Atomic int64_t claimed, from_front, from_back;
+} __attribute__((aligned(64))) RunClaims;
+
+// The next unit of a run of `size` units from the front (or the back), or -1 when none is left.
+static inline int64_t claim(RunClaims* run, int64_t size, int from_front) {
+    if (atomic_fetch_add_explicit(&run->claimed, 1, memory_order_relaxed) >= size) return -1;
+    return from_front ? atomic_fetch_add_explicit(&run->from_front, 1, memory_order_relaxed)
+                      : size - 1 - atomic_fetch_add_explicit(&run->from_back, 1,
+                                                            memory_order_relaxed);
+}
+
+// Run `run` of `parts` from the front (its owner, prefetching each unit's successor) or from
+// the back (another thread, prefetching the unit before), until nothing is left of it. Unit i
+// of the run is row block i / width times the run's (i % width)-th panel.
+static void take_units(const Matmul* m, RunClaims* claims, int parts, int run, int from_front) {
+    const int64_t first_panel = m->units_per_block * run / parts;
+    const int64_t width = m->units_per_block * (run + 1) / parts - first_panel;
+    const int64_t size = width * m->num_blocks;
+    const int step = from_front ? 1 : -1;
+    for (int64_t i; (i = claim(&claims[run], size, from_front)) >= 0;) {
+        const int64_t next = i + step >= 0 && i + step < size ? first_panel + (i + step) % width
+                                                              : -1;
+        run_unit(m, i / width, first_panel + i % width, next);
+    }
+}
+
+// Thread `part` of `parts` (inside the parallel region): its own run, then what is left of the
+// others. A thread slowed down (its core shared with another process, or descheduled) so hands
+// its last units to the other instead of making the whole call wait at the closing barrier.
+static void share_units(const Matmul* m, RunClaims* claims, int parts, int part) {
+    take_units(m, claims, parts, part, 1);
+    for (int other = 1; other < parts; ++other) take_units(m, claims, parts, (part + other) % parts, 0);
+}
+
+// `m` on `num_threads` threads sharing its units.
+static void run_shared(const Matmul* m, int32_t num_threads) {
+    const int32_t slots = num_threads > 1 ? num_threads : 1;
+    RunClaims runs[slots];
+    for (int32_t i = 0; i < slots; ++i) {
+        atomic_init(&runs[i].claimed, 0);
+        atomic_init(&runs[i].from_front, 0);
+        atomic_init(&runs[i].from_back, 0);
+    }
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    share_units(m, runs, omp_get_num_threads(), omp_get_thread_num());
 }
 #endif
 
@@ -224,17 +292,13 @@ int f32_matmul_panel_columns(void) {
 // x: float32 [rows, k] with rows `x_stride` floats apart and unit column stride; packed: the
 // weight as above, 64-byte aligned, `num_panels` panels of which the first `num_columns`
 // columns are real; bias: float32 [num_columns] or NULL; out: contiguous float32
-// [rows, num_columns]. Panels are split over `num_threads` threads in contiguous runs.
+// [rows, num_columns]. Units (row block x panel) are shared by `num_threads` threads.
 void f32_matmul(const float* x, int64_t x_stride, const float* packed, const float* bias,
                 float* out, int64_t rows, int64_t k, int64_t num_panels, int64_t num_columns,
                 int32_t num_threads) {
 #if defined(F32_MATMUL_BUILT)
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-        panel_run(x, x_stride, packed, bias, out, rows, k, num_columns, num_panels * part / parts,
-                  num_panels * (part + 1) / parts);
-    }
+    const Matmul m = matmul_of(x, x_stride, packed, bias, out, rows, k, num_columns, num_panels, 0);
+    run_shared(&m, num_threads);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)rows, (void)k;
     (void)num_panels, (void)num_columns, (void)num_threads;
@@ -244,24 +308,15 @@ void f32_matmul(const float* x, int64_t x_stride, const float* packed, const flo
 // out [rows, width] = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) for a gate_up weight
 // packed as above with its up half starting at panel num_pairs (width = num_pairs * 16: the
 // halves split on a panel boundary), bias [2 * width] or NULL: the gated MLP's matmul and
-// activation in one pass, without the [rows, 2 * width] intermediate. Pairs are split over
-// `num_threads` threads in contiguous runs; rows go in row blocks as in f32_matmul.
+// activation in one pass, without the [rows, 2 * width] intermediate. Units (row block x
+// pair) are shared by `num_threads` threads as in f32_matmul.
 void f32_matmul_silu_and_mul(const float* x, int64_t x_stride, const float* packed,
                              const float* bias, float* out, int64_t rows, int64_t k,
                              int64_t num_pairs, int32_t num_threads) {
 #if defined(F32_MATMUL_BUILT)
-    const int64_t num_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t block_tiles = row_block_tiles(k);
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-        const int64_t first_pair = num_pairs * part / parts;
-        const int64_t end_pair = num_pairs * (part + 1) / parts;
-        for (int64_t first = 0; first < num_tiles; first += block_tiles)
-            gated_row_block(x, x_stride, packed, bias, out, rows, k, num_pairs, first_pair,
-                            end_pair, num_tiles, first,
-                            first + block_tiles < num_tiles ? first + block_tiles : num_tiles);
-    }
+    const Matmul m =
+        matmul_of(x, x_stride, packed, bias, out, rows, k, num_pairs * PANEL_COLUMNS, num_pairs, 1);
+    run_shared(&m, num_threads);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)rows, (void)k;
     (void)num_pairs, (void)num_threads;
