@@ -13,6 +13,7 @@ import ctypes
 import itertools
 import logging
 import os
+import re
 import shutil
 
 import pytest
@@ -326,6 +327,16 @@ def test_build_is_cached_on_disk(fresh_loader):
     assert cpu_kernel_loader.load() is not None
     assert [p.name for p in fresh_loader.iterdir()] == [built.name], "no leftover staging files"
     assert built.stat().st_mtime_ns == mtime, "a cached build must not be recompiled"
+
+
+def test_the_build_key_covers_every_header_the_sources_include():
+    """A header left out of HEADERS would not change the cache key: an edit to it would keep
+    serving the library built before the edit."""
+    included = set()
+    for path in (*cpu_kernel_loader.SOURCES, *cpu_kernel_loader.HEADERS):
+        included |= set(re.findall(r'^#include "([^"]+)"', path.read_text(), re.MULTILINE))
+    assert included, "the sources include no header of their own"
+    assert included == {path.name for path in cpu_kernel_loader.HEADERS}
 
 
 def test_failed_build_falls_back_to_the_reference(fresh_loader, monkeypatch, caplog):

@@ -18,12 +18,12 @@
 #include <stdint.h>
 
 #include "scalar_math.h"
+#include "work_sharing.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define F32_MATMUL_BUILT 1
 #include <immintrin.h>
 #include <omp.h>
-#include <stdatomic.h>
 
 #define PANEL_COLUMNS 16
 #define TILE_ROWS 6
@@ -227,21 +227,6 @@ static void run_unit(const Matmul* m, int64_t block, int64_t panel, int64_t next
         panel_tiles(m, panel, first_tile, end_tile, next_panel);
 }
 
-// The units of one thread's run: its owner takes them from the front, a thread done with its
-// own run takes them from the back. `claimed` counts both, so together they never take more
-// than the run holds and no unit is taken twice.
-typedef struct {
-    _Atomic int64_t claimed, from_front, from_back;
-} __attribute__((aligned(64))) RunClaims;
-
-// The next unit of a run of `size` units from the front (or the back), or -1 when none is left.
-static inline int64_t claim(RunClaims* run, int64_t size, int from_front) {
-    if (atomic_fetch_add_explicit(&run->claimed, 1, memory_order_relaxed) >= size) return -1;
-    return from_front ? atomic_fetch_add_explicit(&run->from_front, 1, memory_order_relaxed)
-                      : size - 1 - atomic_fetch_add_explicit(&run->from_back, 1,
-                                                            memory_order_relaxed);
-}
-
 // Run `run` of `parts` from the front (its owner, prefetching each unit's successor) or from
 // the back (another thread, prefetching the unit before), until nothing is left of it. Unit i
 // of the run is row block i / width times the run's (i % width)-th panel.
@@ -258,8 +243,7 @@ static void take_units(const Matmul* m, RunClaims* claims, int parts, int run, i
 }
 
 // Thread `part` of `parts` (inside the parallel region): its own run, then what is left of the
-// others. A thread slowed down (its core shared with another process, or descheduled) so hands
-// its last units to the other instead of making the whole call wait at the closing barrier.
+// others (work_sharing.h).
 static void share_units(const Matmul* m, RunClaims* claims, int parts, int part) {
     take_units(m, claims, parts, part, 1);
     for (int other = 1; other < parts; ++other) take_units(m, claims, parts, (part + other) % parts, 0);
@@ -269,11 +253,7 @@ static void share_units(const Matmul* m, RunClaims* claims, int parts, int part)
 static void run_shared(const Matmul* m, int32_t num_threads) {
     const int32_t slots = num_threads > 1 ? num_threads : 1;
     RunClaims runs[slots];
-    for (int32_t i = 0; i < slots; ++i) {
-        atomic_init(&runs[i].claimed, 0);
-        atomic_init(&runs[i].from_front, 0);
-        atomic_init(&runs[i].from_back, 0);
-    }
+    init_claims(runs, slots);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     share_units(m, runs, omp_get_num_threads(), omp_get_thread_num());
 }

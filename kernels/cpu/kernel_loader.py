@@ -41,7 +41,11 @@ SOURCES = tuple(
         "f32_matmul.c",
     )
 )
-HEADERS = (KERNEL_DIR / "scalar_math.h", KERNEL_DIR / "attention_args.h")
+HEADERS = (
+    KERNEL_DIR / "scalar_math.h",
+    KERNEL_DIR / "attention_args.h",
+    KERNEL_DIR / "work_sharing.h",
+)
 LIBRARY_NAME = "cpu_kernels"
 # -fno-trapping-math: no kernel unmasks floating-point exceptions, and without it GCC will not
 # if-convert the clamps and selects of exp/SiLU on AVX2 (no masked loads), leaving those loops

@@ -15,8 +15,9 @@
 // in registers. Decoding is bound by reading the cache, so the next block is prefetched while
 // one is read (blocks are scattered: the hardware prefetcher cannot follow), and exp is a
 // polynomial the compiler vectorizes. Items run in parallel over `num_threads` OpenMP threads
-// (1 = the calling thread only); with fewer requests than threads, each KV head of a request
-// is an item of its own.
+// (1 = the calling thread only), each owning a run of about equal cost and taking what is left
+// of the others' once done (work_sharing.h); with fewer requests than threads, each KV head of
+// a request is an item of its own.
 // Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <math.h>
@@ -28,6 +29,7 @@
 
 #include "attention_args.h"
 #include "scalar_math.h"
+#include "work_sharing.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -790,6 +792,8 @@ int paged_attention(const AttentionArgs* a, int64_t max_rows_x_len) {
     const int32_t split = num_threads > 1 && num_requests < num_threads ? num_kv_heads : 1;
     const int64_t num_items = (int64_t)num_requests * split;
     int failed = 0;
+    RunClaims claims[num_threads > 1 ? num_threads : 1];
+    init_claims(claims, num_threads > 1 ? num_threads : 1);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         const Scratch scratch = {
@@ -803,18 +807,24 @@ int paged_attention(const AttentionArgs* a, int64_t max_rows_x_len) {
 #pragma omp atomic write
             failed = 1;
         }
-        int64_t first_item, end_item;
-        thread_items(&problem, requests, num_items, split, omp_get_thread_num(),
-                     omp_get_num_threads(), &first_item, &end_item);
-        for (int64_t item = first_item; ok && item < end_item; ++item) {
-            const int32_t begin = split == 1 ? 0 : (int32_t)(item % split);
-            const int32_t end = split == 1 ? num_kv_heads : begin + 1;
-            const char* after = item + 1 < end_item
-                                    ? first_key_block(&problem, requests[(item + 1) / split],
-                                                      head_dim, (int32_t)elem)
-                                    : NULL;
-            attend(&problem, requests[item / split], begin, end, head_dim, cache_is_bf16,
-                   &scratch, after);
+        // Its own run of items in order, then what is left of the others' from their ends
+        // (work_sharing.h); `after` is the item it attends next in that direction.
+        const int parts = omp_get_num_threads(), part = omp_get_thread_num();
+        for (int other = 0; ok && other < parts; ++other) {
+            const int run = (part + other) % parts, from_front = other == 0;
+            int64_t first_item, end_item;
+            thread_items(&problem, requests, num_items, split, run, parts, &first_item, &end_item);
+            for (int64_t i; (i = claim(&claims[run], end_item - first_item, from_front)) >= 0;) {
+                const int64_t item = first_item + i, neighbour = from_front ? item + 1 : item - 1;
+                const int32_t begin = split == 1 ? 0 : (int32_t)(item % split);
+                const int32_t end = split == 1 ? num_kv_heads : begin + 1;
+                const char* after = neighbour >= first_item && neighbour < end_item
+                                        ? first_key_block(&problem, requests[neighbour / split],
+                                                          head_dim, (int32_t)elem)
+                                        : NULL;
+                attend(&problem, requests[item / split], begin, end, head_dim, cache_is_bf16,
+                       &scratch, after);
+            }
         }
         free(scratch.scores);
         free(scratch.query_bf16);
