@@ -145,9 +145,21 @@ static Matmul matmul_of(const float* x, int64_t x_stride, const float* packed,
     const int64_t tile_bytes = TILE_ROWS * k * (int64_t)sizeof(float);
     const int64_t num_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t block_tiles = tile_bytes < ROW_BLOCK_BYTES ? ROW_BLOCK_BYTES / tile_bytes : 1;
-    const Matmul m = {x,           x_stride,        packed, bias,      out,
-                      rows,        k,               num_columns, units_per_block, gated,
-                      num_tiles,   block_tiles,     (num_tiles + block_tiles - 1) / block_tiles};
+    const Matmul m = {
+        .x = x,
+        .x_stride = x_stride,
+        .packed = packed,
+        .bias = bias,
+        .out = out,
+        .rows = rows,
+        .k = k,
+        .num_columns = num_columns,
+        .units_per_block = units_per_block,
+        .gated = gated,
+        .num_tiles = num_tiles,
+        .block_tiles = block_tiles,
+        .num_blocks = (num_tiles + block_tiles - 1) / block_tiles,
+    };
     return m;
 }
 
@@ -246,7 +258,8 @@ static void take_units(const Matmul* m, RunClaims* claims, int parts, int run, i
 // others (work_sharing.h).
 static void share_units(const Matmul* m, RunClaims* claims, int parts, int part) {
     take_units(m, claims, parts, part, 1);
-    for (int other = 1; other < parts; ++other) take_units(m, claims, parts, (part + other) % parts, 0);
+    for (int other = 1; other < parts; ++other)
+        take_units(m, claims, parts, (part + other) % parts, 0);
 }
 
 // `m` on `num_threads` threads sharing its units.
@@ -295,7 +308,8 @@ void f32_matmul_silu_and_mul(const float* x, int64_t x_stride, const float* pack
                              int64_t num_pairs, int32_t num_threads) {
 #if defined(F32_MATMUL_BUILT)
     const Matmul m =
-        matmul_of(x, x_stride, packed, bias, out, rows, k, num_pairs * PANEL_COLUMNS, num_pairs, 1);
+        matmul_of(x, x_stride, packed, bias, out, rows, k, num_pairs * PANEL_COLUMNS, num_pairs,
+                  1);
     run_shared(&m, num_threads);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)rows, (void)k;
