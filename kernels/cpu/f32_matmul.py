@@ -70,18 +70,7 @@ class F32MatmulWeight:
             raise ValueError(f"f32 matmul outputs float32, not {out_dtype}")
         rows, bias = self._kernel_operands(x, bias)
         out = torch.empty((*x.shape[:-1], self.num_columns), dtype=torch.float32)
-        cpu_kernel_loader.load().f32_matmul(
-            rows.data_ptr(),
-            rows.stride(0),
-            self.packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            rows.shape[0],
-            self.k,
-            self.packed.shape[0],
-            self.num_columns,
-            torch.get_num_threads(),
-        )
+        self._launch("f32_matmul", rows, bias, out, self.packed.shape[0], self.num_columns)
         return out
 
     @property
@@ -105,7 +94,21 @@ class F32MatmulWeight:
         rows, bias = self._kernel_operands(x, bias)
         width = self.num_columns // 2
         out = torch.empty((*x.shape[:-1], width), dtype=torch.float32)
-        cpu_kernel_loader.load().f32_matmul_silu_and_mul(
+        self._launch("f32_matmul_silu_and_mul", rows, bias, out, width // self.packed.shape[2])
+        return out
+
+    def _launch(
+        self,
+        entry_point: str,
+        rows: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+        *counts: int,
+    ) -> None:
+        """Calls `entry_point` of the kernel library with the arguments both entry points
+        share (x, its row stride, the packed weight, bias, out, rows, k), then `counts` (what
+        each one walks: panels and columns, or gate/up pairs), then the thread count."""
+        getattr(cpu_kernel_loader.load(), entry_point)(
             rows.data_ptr(),
             rows.stride(0),
             self.packed.data_ptr(),
@@ -113,10 +116,9 @@ class F32MatmulWeight:
             out.data_ptr(),
             rows.shape[0],
             self.k,
-            width // self.packed.shape[2],
+            *counts,
             torch.get_num_threads(),
         )
-        return out
 
     def _kernel_operands(
         self, x: torch.Tensor, bias: torch.Tensor | None
