@@ -107,6 +107,22 @@ def test_gqa_groups_match_naive(group_size):
     assert_matches_naive(case, run_backend(case))
 
 
+@pytest.mark.parametrize("group_size", [2, 3, 4, 7])
+def test_gqa_group_rows_give_the_bits_of_separate_heads(group_size):
+    """A KV head's query rows scored and summed together (each key and value loaded once for
+    the group) give exactly what each row gives alone: the same case with every KV head
+    repeated once per query head (no sharing) yields the same bits."""
+    case = make_case(
+        [9, 40, 23, 61], [1, 3, 2, 1], num_heads=2 * group_size, num_kv_heads=2, head_dim=64
+    )
+    grouped = run_backend(case)
+    separate_cache = case.kv_cache.repeat_interleave(group_size, dim=3).contiguous()
+    separate = cpu_backend.paged_attention(case.query, separate_cache, case.metadata, case.scale)
+    real = case.num_real_tokens
+    assert not torch.isnan(grouped[:real]).any()
+    assert torch.equal(grouped[:real], separate[:real])
+
+
 @pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 256, 320])
 def test_head_dims_match_naive(head_dim):
     """64 and 128 are compiled for their size, 96 and 256 not; 320 accumulates V in memory
