@@ -6,16 +6,17 @@
 // columns, [N / 16][K][16] with N padded to a multiple of 16, so one k of a panel is one
 // 64-byte cache line: two 8-float vectors. A tile of TILE_ROWS rows x one panel keeps its
 // 6 x 2 sums in 12 registers (plus 2 weight vectors and 1 broadcast of x: 15 of 16), the usual
-// AVX2 micro-kernel shape. Each thread owns a contiguous run of panels; while its row tiles
-// work on one panel (from L1/L2 after the first tile), they prefetch the next panel, spread
-// evenly over the tiles, so memory streams the weight while the FMAs run instead of between
-// panels. A thread done with its run takes what is left of the others' from their ends (see
+// AVX2 micro-kernel shape. Each thread owns a contiguous run of panels; its row tiles go
+// through a panel in passes of PASS_K (so the part of the panel they share stays in L1), and
+// meanwhile prefetch the next panel, spread evenly over the tiles and passes, so memory
+// streams the weight while the FMAs run instead of between panels. A thread done with its run takes what is left of the others' from their ends (see
 // share_units), so a core slowed by another process does not hold the call up. `out` is
 // contiguous [M, N]: padding columns are computed and never stored. The gated MLP's gate_up
 // matmul can store silu(gate) * up instead (f32_matmul_silu_and_mul).
 // Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <stdint.h>
+#include <string.h>
 
 #include "scalar_math.h"
 #include "work_sharing.h"
@@ -72,26 +73,41 @@ static inline void store_half(const TileOutput* o, int r, int half, __m256 sums)
     }
 }
 
-// num_rows (a compile-time constant once inlined) rows of x times one panel `w`; prefetches
-// `num_prefetch` (<= k) lines from `prefetch` on, spread evenly over the k loop: line
-// i * num_prefetch / k at step i, in 16.16 fixed point (branch-free: a line already asked for
-// costs one load slot). One line per step from the start instead (a burst of them) filled
-// the core's miss buffers, and the tile's own loads waited behind them: 1.07-1.14x slower at
-// 27 rows on a 2-core AVX2 EPYC.
-static inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k,
-                        const TileOutput* o, const char* prefetch, int64_t num_prefetch,
+// A tile's sums, kept in L1 from one pass over k to the next.
+typedef struct {
+    __m256 lo[TILE_ROWS], hi[TILE_ROWS];
+} TileSums;
+
+// k of a panel per pass (at most): 12-16 KiB of it, which stays in L1 while every tile of the
+// unit goes through it (a whole panel, 36 KiB at k = 576, does not fit a 32 KiB L1, so each
+// tile read it from L2 again).
+#define PASS_K 256
+
+// num_rows (a compile-time constant once inlined) rows of x times k in [begin, end) of panel
+// `w`, adding to `sums` (each output stays one k-ordered chain of FMAs however k is split
+// into passes: the passes change no bit); prefetches `num_prefetch` (<= end - begin) lines
+// from `prefetch` on, spread evenly over the k loop: line i * num_prefetch / n at step i of
+// n, in 16.16 fixed point (branch-free: a line already asked for costs one load slot). One
+// line per step from the start instead (a burst of them) filled the core's miss buffers, and
+// the tile's own loads waited behind them: 1.07-1.14x slower at 27 rows on a 2-core AVX2 EPYC.
+static inline void tile(const float* x, int64_t x_stride, const float* w, int64_t begin,
+                        int64_t end, TileSums* sums, const char* prefetch, int64_t num_prefetch,
                         const int num_rows) {
     __m256 lo[TILE_ROWS], hi[TILE_ROWS];
     // Unrolled before GCC's scalar replacement, so the sums live in registers (without the
     // pragma they are stored to the stack at every k: 3x slower).
 #pragma GCC unroll 8
-    for (int r = 0; r < num_rows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int r = 0; r < num_rows; ++r) {
+        lo[r] = sums->lo[r];
+        hi[r] = sums->hi[r];
+    }
+    const int64_t n = end - begin;
     const int64_t last_prefetch = num_prefetch > 0 ? num_prefetch - 1 : 0;
-    const int64_t step = k > 0 ? ((num_prefetch << 16) + k - 1) / k : 0;
-    for (int64_t i = 0; i < k; ++i) {
+    const int64_t step = n > 0 ? ((num_prefetch << 16) + n - 1) / n : 0;
+    for (int64_t i = begin; i < end; ++i) {
         const __m256 w_lo = _mm256_load_ps(w + i * PANEL_COLUMNS);
         const __m256 w_hi = _mm256_load_ps(w + i * PANEL_COLUMNS + 8);
-        const int64_t line = (i * step) >> 16;
+        const int64_t line = ((i - begin) * step) >> 16;
         _mm_prefetch(prefetch + (line < last_prefetch ? line : last_prefetch) * LINE_BYTES,
                      _MM_HINT_T0);
 #pragma GCC unroll 8
@@ -103,21 +119,29 @@ static inline void tile(const float* x, int64_t x_stride, const float* w, int64_
     }
 #pragma GCC unroll 8
     for (int r = 0; r < num_rows; ++r) {
-        store_half(o, r, 0, lo[r]);
-        store_half(o, r, 1, hi[r]);
+        sums->lo[r] = lo[r];
+        sums->hi[r] = hi[r];
     }
 }
 
-static void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t k,
-                      const TileOutput* o, const char* prefetch, int64_t num_prefetch,
+static void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t begin,
+                      int64_t end, TileSums* sums, const char* prefetch, int64_t num_prefetch,
                       int num_rows) {
     switch (num_rows) {
-        case 1: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 1); break;
-        case 2: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 2); break;
-        case 3: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 3); break;
-        case 4: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 4); break;
-        case 5: tile(x, x_stride, w, k, o, prefetch, num_prefetch, 5); break;
-        default: tile(x, x_stride, w, k, o, prefetch, num_prefetch, TILE_ROWS);
+        case 1: tile(x, x_stride, w, begin, end, sums, prefetch, num_prefetch, 1); break;
+        case 2: tile(x, x_stride, w, begin, end, sums, prefetch, num_prefetch, 2); break;
+        case 3: tile(x, x_stride, w, begin, end, sums, prefetch, num_prefetch, 3); break;
+        case 4: tile(x, x_stride, w, begin, end, sums, prefetch, num_prefetch, 4); break;
+        case 5: tile(x, x_stride, w, begin, end, sums, prefetch, num_prefetch, 5); break;
+        default: tile(x, x_stride, w, begin, end, sums, prefetch, num_prefetch, TILE_ROWS);
+    }
+}
+
+// The tile's outputs from its finished sums.
+static void store_tile(const TileSums* sums, const TileOutput* o, int num_rows) {
+    for (int r = 0; r < num_rows; ++r) {
+        store_half(o, r, 0, sums->lo[r]);
+        store_half(o, r, 1, sums->hi[r]);
     }
 }
 
@@ -172,22 +196,60 @@ static inline const float* panel_at(const Matmul* m, int64_t panel) {
     return m->packed + panel * m->k * PANEL_COLUMNS;
 }
 
-// Row tiles [first_tile, end_tile) through panel `panel`, prefetching `next` (a panel, or NULL)
-// spread evenly over the tiles, so memory streams the next weight while the FMAs run. Rows are
-// split evenly over the fewest tiles of at most TILE_ROWS (27 rows: 6, 6, 5, 5, 5): a tile of r
-// rows keeps 2r FMA chains going, and below 4 rows (8 chains, two FMA units of latency 4) it
-// waits on its own sums.
+static inline int64_t tile_first_row(const Matmul* m, int64_t t) {
+    return m->rows * t / m->num_tiles;
+}
+
+// How a unit's tiles go through its panel: in `passes` passes over k (PASS_K at most each),
+// every tile per pass; call c of them (pass c / tiles, tile c % tiles) prefetches lines
+// [lines c / calls, lines (c + 1) / calls) of the next panel.
+typedef struct {
+    int64_t k, num_tiles, passes, calls;
+} Passes;
+
+static inline Passes passes_of(int64_t k, int64_t num_tiles) {
+    const int64_t passes = k > PASS_K ? (k + PASS_K - 1) / PASS_K : 1;
+    const Passes p = {k, num_tiles, passes, passes * num_tiles};
+    return p;
+}
+
+static inline int64_t pass_begin(const Passes* p, int64_t call) {
+    return p->k * (call / p->num_tiles) / p->passes;
+}
+
+static inline int64_t pass_end(const Passes* p, int64_t call) {
+    return p->k * (call / p->num_tiles + 1) / p->passes;
+}
+
+static inline int64_t share_of(int64_t lines, const Passes* p, int64_t call) {
+    return lines * call / p->calls;
+}
+
+// Row tiles [first_tile, end_tile) through panel `panel`, pass by pass, prefetching `next` (a
+// panel, or NULL) spread evenly over the calls, so memory streams the next weight while the
+// FMAs run. Rows are split evenly over the fewest tiles of at most TILE_ROWS (27 rows: 6, 6,
+// 5, 5, 5): a tile of r rows keeps 2r FMA chains going, and below 4 rows (8 chains, two FMA
+// units of latency 4) it waits on its own sums.
 static void panel_tiles(const Matmul* m, int64_t panel, int64_t first_tile, int64_t end_tile,
                         const float* next) {
-    const int64_t k = m->k, block_tiles = end_tile - first_tile;
-    const int64_t next_lines = next != NULL ? k : 0;
+    const Passes p = passes_of(m->k, end_tile - first_tile);
+    const int64_t next_lines = next != NULL ? m->k : 0;
     const int64_t first_column = panel * PANEL_COLUMNS;
     const int64_t columns_left = m->num_columns - first_column;
+    TileSums sums[p.num_tiles];
+    memset(sums, 0, sizeof(sums));
+    for (int64_t call = 0; call < p.calls; ++call) {
+        const int64_t t = first_tile + call % p.num_tiles;
+        const int64_t row = tile_first_row(m, t);
+        const int64_t first_line = share_of(next_lines, &p, call);
+        tile_rows(m->x + row * m->x_stride, m->x_stride, panel_at(m, panel),
+                  pass_begin(&p, call), pass_end(&p, call), &sums[t - first_tile],
+                  (const char*)next + first_line * LINE_BYTES,
+                  share_of(next_lines, &p, call + 1) - first_line,
+                  (int)(tile_first_row(m, t + 1) - row));
+    }
     for (int64_t t = first_tile; t < end_tile; ++t) {
-        const int64_t row = m->rows * t / m->num_tiles;
-        const int num_rows = (int)(m->rows * (t + 1) / m->num_tiles - row);
-        const int64_t first_line = next_lines * (t - first_tile) / block_tiles;
-        const int64_t end_line = next_lines * (t - first_tile + 1) / block_tiles;
+        const int64_t row = tile_first_row(m, t);
         const TileOutput o = {
             m->out + row * m->num_columns + first_column,
             m->num_columns,
@@ -195,40 +257,50 @@ static void panel_tiles(const Matmul* m, int64_t panel, int64_t first_tile, int6
             (int32_t)(columns_left < PANEL_COLUMNS ? columns_left : PANEL_COLUMNS),
             NULL,
         };
-        tile_rows(m->x + row * m->x_stride, m->x_stride, panel_at(m, panel), k, &o,
-                  (const char*)next + first_line * LINE_BYTES, end_line - first_line,
-                  num_rows);
+        store_tile(&sums[t - first_tile], &o, (int)(tile_first_row(m, t + 1) - row));
     }
 }
 
 // Row tiles [first_tile, end_tile) through (gate, up) pair j of a gate_up weight whose up half
-// starts at panel units_per_block: per tile, the gate panel's sums go to a 6 x 16 scratch
-// (L1), then the up panel's tile stores silu(gate) * up into `out` [rows, num_columns]. The
-// gate tiles prefetch the up panel, the up tiles `next` (the next pair's gate panel, or NULL).
+// starts at panel units_per_block, pass by pass: the gate panel's sums, then the up panel's;
+// at the end each tile's gate outputs go to a 6 x 16 scratch (L1) and its up tile stores
+// silu(gate) * up into `out` [rows, num_columns]. The gate calls prefetch the up panel, the up
+// calls `next` (the next pair's gate panel, or NULL).
 static void pair_tiles(const Matmul* m, int64_t j, int64_t first_tile, int64_t end_tile,
                        const float* next) {
-    const int64_t k = m->k, block_tiles = end_tile - first_tile;
-    const int64_t next_lines = next != NULL ? k : 0;
+    const Passes p = passes_of(m->k, end_tile - first_tile);
+    const int64_t next_lines = next != NULL ? m->k : 0;
     const float* w_gate = panel_at(m, j);
     const float* w_up = panel_at(m, m->units_per_block + j);
     const float* gate_bias = m->bias != NULL ? m->bias + j * PANEL_COLUMNS : NULL;
     const float* up_bias = m->bias != NULL ? m->bias + m->num_columns + j * PANEL_COLUMNS : NULL;
+    TileSums gate_sums[p.num_tiles], up_sums[p.num_tiles];
+    memset(gate_sums, 0, sizeof(gate_sums));
+    memset(up_sums, 0, sizeof(up_sums));
+    for (int64_t call = 0; call < p.calls; ++call) {
+        const int64_t t = first_tile + call % p.num_tiles;
+        const int64_t row = tile_first_row(m, t);
+        const int num_rows = (int)(tile_first_row(m, t + 1) - row);
+        const float* x_rows = m->x + row * m->x_stride;
+        const int64_t begin = pass_begin(&p, call), end = pass_end(&p, call);
+        const int64_t first_up = share_of(m->k, &p, call);
+        const int64_t first_next = share_of(next_lines, &p, call);
+        tile_rows(x_rows, m->x_stride, w_gate, begin, end, &gate_sums[t - first_tile],
+                  (const char*)w_up + first_up * LINE_BYTES,
+                  share_of(m->k, &p, call + 1) - first_up, num_rows);
+        tile_rows(x_rows, m->x_stride, w_up, begin, end, &up_sums[t - first_tile],
+                  (const char*)next + first_next * LINE_BYTES,
+                  share_of(next_lines, &p, call + 1) - first_next, num_rows);
+    }
     float gate[TILE_ROWS * PANEL_COLUMNS] __attribute__((aligned(32)));
     for (int64_t t = first_tile; t < end_tile; ++t) {
-        const int64_t row = m->rows * t / m->num_tiles;
-        const int num_rows = (int)(m->rows * (t + 1) / m->num_tiles - row);
-        const int64_t first_line = k * (t - first_tile) / block_tiles;
-        const int64_t end_line = k * (t - first_tile + 1) / block_tiles;
-        const int64_t first_next = next_lines * (t - first_tile) / block_tiles;
-        const int64_t end_next = next_lines * (t - first_tile + 1) / block_tiles;
-        const float* x_rows = m->x + row * m->x_stride;
+        const int64_t row = tile_first_row(m, t);
+        const int num_rows = (int)(tile_first_row(m, t + 1) - row);
         const TileOutput to_gate = {gate, PANEL_COLUMNS, gate_bias, PANEL_COLUMNS, NULL};
         const TileOutput to_out = {m->out + row * m->num_columns + j * PANEL_COLUMNS,
                                    m->num_columns, up_bias, PANEL_COLUMNS, gate};
-        tile_rows(x_rows, m->x_stride, w_gate, k, &to_gate,
-                  (const char*)w_up + first_line * LINE_BYTES, end_line - first_line, num_rows);
-        tile_rows(x_rows, m->x_stride, w_up, k, &to_out,
-                  (const char*)next + first_next * LINE_BYTES, end_next - first_next, num_rows);
+        store_tile(&gate_sums[t - first_tile], &to_gate, num_rows);
+        store_tile(&up_sums[t - first_tile], &to_out, num_rows);
     }
 }
 
