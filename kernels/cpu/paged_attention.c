@@ -386,7 +386,7 @@ static inline void prefetch_lines(const char* rows, int64_t row_bytes, int64_t l
 // score_block for a float32 cache: each query row against 8 keys at a time. The same keys of
 // the next block's rows (`next`) are prefetched a few lines before each row's dot products,
 // so the next block streams in while this one is scored (in one burst before the rows, the
-// prefetches filled the core's miss buffers and stalled it: decode attention 1.16-1.24x
+// prefetches filled the core's miss buffers and stalled it: decode attention 1.19-1.25x
 // slower on a 2-core AVX2 EPYC).
 static inline void score_block_f32(const Problem* p, const Request* r, const float* k,
                                    const char* next, int32_t start, int32_t end,
