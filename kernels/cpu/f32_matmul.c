@@ -9,10 +9,11 @@
 // AVX2 micro-kernel shape. Each thread owns a contiguous run of panels; its row tiles go
 // through a panel in passes of PASS_K (so the part of the panel they share stays in L1), and
 // meanwhile prefetch the next panel, spread evenly over the tiles and passes, so memory
-// streams the weight while the FMAs run instead of between panels. A thread done with its run takes what is left of the others' from their ends (see
-// share_units), so a core slowed by another process does not hold the call up. `out` is
-// contiguous [M, N]: padding columns are computed and never stored. The gated MLP's gate_up
-// matmul can store silu(gate) * up instead (f32_matmul_silu_and_mul).
+// streams the weight while the FMAs run instead of between panels. A thread done with its
+// run takes what is left of the others' from their ends (see share_units), so a core slowed
+// by another process does not hold the call up. `out` is contiguous [M, N]: padding columns
+// are computed and never stored. The gated MLP's gate_up matmul can store silu(gate) * up
+// instead (f32_matmul_silu_and_mul).
 // Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <stdint.h>
@@ -89,7 +90,7 @@ typedef struct {
 // from `prefetch` on, spread evenly over the k loop: line i * num_prefetch / n at step i of
 // n, in 16.16 fixed point (branch-free: a line already asked for costs one load slot). One
 // line per step from the start instead (a burst of them) filled the core's miss buffers, and
-// the tile's own loads waited behind them: 1.07-1.14x slower at 27 rows on a 2-core AVX2 EPYC.
+// the tile's own loads waited behind them: 1.07-1.15x slower at 27 rows on a 2-core AVX2 EPYC.
 static inline void tile(const float* x, int64_t x_stride, const float* w, int64_t begin,
                         int64_t end, TileSums* sums, const char* prefetch, int64_t num_prefetch,
                         const int num_rows) {
@@ -147,6 +148,9 @@ static void store_tile(const TileSums* sums, const TileOutput* o, int num_rows) 
 
 // x bytes of one row block: under half of a 512 KiB L2 (Zen 3), room left for the panel.
 #define ROW_BLOCK_BYTES (192 * 1024)
+// Tiles of one row block at most (384 rows): its tiles' sums live on the thread's stack
+// between passes (a TileSums each, two for the gated MLP), 48 KiB at most even for a tiny k.
+#define MAX_BLOCK_TILES 64
 
 // One call as its threads share it. A unit of work is one row block (at most ROW_BLOCK_BYTES
 // of x, so it stays in L2 while the panels stream past it) times one panel, or for the gated
@@ -173,7 +177,8 @@ static Matmul matmul_of(const float* x, int64_t x_stride, const float* packed,
                         int64_t num_columns, int64_t units_per_block, int gated) {
     const int64_t tile_bytes = TILE_ROWS * k * (int64_t)sizeof(float);
     const int64_t num_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t block_tiles = tile_bytes < ROW_BLOCK_BYTES ? ROW_BLOCK_BYTES / tile_bytes : 1;
+    const int64_t fitting = tile_bytes < ROW_BLOCK_BYTES ? ROW_BLOCK_BYTES / tile_bytes : 1;
+    const int64_t block_tiles = fitting < MAX_BLOCK_TILES ? fitting : MAX_BLOCK_TILES;
     const Matmul m = {
         .x = x,
         .x_stride = x_stride,
