@@ -404,13 +404,14 @@ static inline void score_block_f32(const Problem* p, const Request* r, const flo
             next != NULL ? next + (key0 - start) * row_bytes + first_byte : NULL;
         const int64_t lines = next != NULL ? n * lines_per_row : 0;
         const int64_t calls = (int64_t)(r->q_len - first_token) * rows_per_token;
-        int64_t call = 0;
+        int64_t call = 0, prefetched = 0;
         for (int32_t t = first_token; t < r->q_len; ++t) {
             int64_t row = (int64_t)t * p->num_q_heads + (int64_t)r->kv_head_begin * r->group;
             for (int32_t kv_head = r->kv_head_begin; kv_head < r->kv_head_end; ++kv_head)
                 for (int32_t g = 0; g < r->group; ++g, ++row, ++call) {
-                    prefetch_lines(next_rows, row_bytes, lines_per_row, lines * call / calls,
-                                   lines * (call + 1) / calls);
+                    const int64_t until = lines * (call + 1) / calls;
+                    prefetch_lines(next_rows, row_bytes, lines_per_row, prefetched, until);
+                    prefetched = until;
                     score_8_keys(r->query + row * head_dim, k0 + (int64_t)kv_head * head_dim,
                                  r->token_stride, head_dim, n, p->scale,
                                  scores + row * r->seq_len + key0);
