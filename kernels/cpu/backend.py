@@ -81,7 +81,9 @@ def _writes_in_c(key, value, kv_cache, slot_mapping) -> bool:
     head_dim = kv_cache.shape[4]
     return (
         key.dtype == value.dtype == kv_cache.dtype
-        and kv_cache.device.type == key.device.type == value.device.type == "cpu"
+        and kv_cache.is_cpu
+        and key.is_cpu
+        and value.is_cpu
         and kv_cache.is_contiguous()
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
@@ -192,7 +194,7 @@ def _kernel_supports(capabilities: CpuAttentionCapabilities, kv_cache: torch.Ten
     head_dim = kv_cache.shape[4]
     return (
         kv_cache.dtype in (torch.float32, torch.bfloat16)
-        and kv_cache.device.type == "cpu"
+        and kv_cache.is_cpu
         and kv_cache.is_contiguous()
         and head_dim % capabilities.vector_floats == 0
     )

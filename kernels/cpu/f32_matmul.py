@@ -127,9 +127,12 @@ class F32MatmulWeight:
         is), and the bias as contiguous float32."""
         if x.shape[-1] != self.k:
             raise ValueError(f"f32 matmul needs x of shape [..., {self.k}], got {tuple(x.shape)}")
-        rows = x.reshape(-1, self.k).to(torch.float32)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        if x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
+            rows = x  # every linear of a float32 model: no reshape or conversion to dispatch
+        else:
+            rows = x.reshape(-1, self.k).to(torch.float32)
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()
         return rows, bias

@@ -20,7 +20,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 def supports(*tensors: torch.Tensor) -> bool:
     """The kernels are loaded and every tensor is a float32 or bfloat16 CPU tensor."""
     return cpu_kernel_loader.load() is not None and all(
-        t.device.type == "cpu" and t.dtype in DTYPES for t in tensors
+        t.is_cpu and t.dtype in DTYPES for t in tensors
     )
 
 
@@ -34,7 +34,7 @@ def fused_add_rms_norm(
             f"fused_add_rms_norm needs a float32 residual and x in the weight's dtype, got "
             f"residual {residual.dtype}, x {x.dtype}, weight {weight.dtype}"
         )
-    x, weight = x.contiguous(), weight.contiguous()
+    x, weight = _contiguous(x), _contiguous(weight)
     _require_contiguous(residual, "residual")
     out = torch.empty_like(x)
     cpu_kernel_loader.load().fused_add_rms_norm(
@@ -91,6 +91,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def _is_bf16(x: torch.Tensor) -> int:
     return int(x.dtype == torch.bfloat16)
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x.contiguous(), without the op's dispatch when x already is (once per norm per layer)."""
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _require_contiguous(x: torch.Tensor, name: str) -> None:

@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         proj = self.qkv_proj
-        q, k, v = self.qkv_proj(hidden_states).split(
+        q, k, v = self.qkv_proj(hidden_states).split_with_sizes(
             [proj.q_size, proj.kv_size, proj.kv_size], dim=-1
         )
         q = q.reshape(num_tokens, proj.num_heads, self.head_dim)
