@@ -8,7 +8,12 @@ from pathlib import Path
 import torch
 
 from kernels.cpu.f32_matmul import F32MatmulWeight, panel_columns
-from kernels.cpu.huge_pages import HUGE_PAGE_BYTES, MIN_BYTES, empty_on_huge_pages
+from kernels.cpu.huge_pages import (
+    HUGE_PAGE_BYTES,
+    MIN_BYTES,
+    HugePageArena,
+    empty_on_huge_pages,
+)
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -70,3 +75,57 @@ def test_packed_float32_weights_of_a_large_linear_sit_on_huge_pages():
     assert packed.packed.data_ptr() % HUGE_PAGE_BYTES == 0
     x = torch.randn(5, 576)
     torch.testing.assert_close(packed.matmul(x), x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_an_arena_lays_tensors_side_by_side_aligned_and_apart():
+    arena = HugePageArena(chunk_bytes=4 * HUGE_PAGE_BYTES)
+    first = arena.empty((3, 7), torch.float32, alignment=64)
+    second = arena.empty((5,), torch.bfloat16, alignment=64)
+    third = arena.empty((10,), torch.float32, alignment=256)
+    for tensor in (first, second, third):
+        assert tensor.is_contiguous()
+    assert first.data_ptr() % 64 == 0 and second.data_ptr() % 64 == 0
+    assert third.data_ptr() % 256 == 0
+    # 84 bytes rounded up to 64: the second starts 128 bytes after the first.
+    assert second.data_ptr() - first.data_ptr() == 128
+    assert third.data_ptr() >= second.data_ptr() + second.numel() * 2
+    first.fill_(1.0), second.fill_(2.0), third.fill_(3.0)
+    assert float(first.sum()) == 21.0 and float(second.sum()) == 10.0
+    assert float(third.sum()) == 30.0
+
+
+def test_an_arena_starts_a_chunk_for_what_does_not_fit_and_one_of_its_own_for_a_large_tensor():
+    arena = HugePageArena(chunk_bytes=HUGE_PAGE_BYTES)
+    small = arena.empty((HUGE_PAGE_BYTES // 8,), torch.float32)  # half the chunk
+    spill = arena.empty((HUGE_PAGE_BYTES // 4 - 16,), torch.float32)  # does not fit what is left
+    large = arena.empty((3 * HUGE_PAGE_BYTES // 4,), torch.float32)  # 3 chunks' worth
+    assert spill.untyped_storage().data_ptr() != small.untyped_storage().data_ptr()
+    assert large.untyped_storage().nbytes() >= 3 * HUGE_PAGE_BYTES
+    large.fill_(1.0)
+    assert float(large.sum()) == large.numel()
+
+
+def test_small_tensors_of_an_arena_are_on_huge_pages_where_the_kernel_grants_them():
+    """A 1.3 MB weight (SmolLM2's o_proj) alone would sit on 4 KiB pages."""
+    arena = HugePageArena()
+    tensors = [arena.empty((576, 576), torch.float32) for _ in range(3)]
+    for tensor in tensors:
+        tensor.fill_(1.0)
+    if _thp_granted_on_request():
+        for tensor in tensors:
+            assert "hg" in _vm_flags(tensor.data_ptr())
+            assert "hg" in _vm_flags(tensor.data_ptr() + tensor.numel() * 4 - 4)
+
+
+def test_packed_float32_weights_in_an_arena_multiply_as_alone():
+    arena = HugePageArena()
+    weights = [torch.randn(576, 576), torch.randn(40, 576), torch.randn(960, 576)]
+    if panel_columns() == 0:  # no AVX2 kernel on this CPU: oneDNN keeps the weights
+        assert F32MatmulWeight.pack(weights[0], arena) is None
+        return
+    packed = [F32MatmulWeight.pack(weight, arena) for weight in weights]
+    storages = {p.packed.untyped_storage().data_ptr() for p in packed}
+    assert len(storages) == 1  # one chunk holds all three
+    x = torch.randn(7, 576)
+    for weight, in_arena in zip(weights, packed, strict=True):
+        assert torch.equal(in_arena.matmul(x), F32MatmulWeight.pack(weight).matmul(x))

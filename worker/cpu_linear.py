@@ -29,6 +29,7 @@ from kernels.cpu import bf16_matmul as cpu_bf16_matmul
 from kernels.cpu import f32_matmul as cpu_f32_matmul
 from kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from kernels.cpu.f32_matmul import F32MatmulWeight
+from kernels.cpu.huge_pages import HugePageArena
 
 
 class LinearKernel(enum.Enum):
@@ -139,11 +140,15 @@ class PackableLinear(nn.Module):
         return torch.nn.functional.linear(x, self.weight, bias)
 
     def pack(
-        self, keep_dense_weight: bool, capabilities: CpuLinearCapabilities | None = None
+        self,
+        keep_dense_weight: bool,
+        capabilities: CpuLinearCapabilities | None = None,
+        arena: HugePageArena | None = None,
     ) -> bool:
         """Packs the weight for what `choose_kernel` picks with this machine's `capabilities`
         (None: read them); returns whether it packed. `keep_dense_weight`: another module
-        reads the same tensor (tied embeddings). Raises RuntimeError where the capabilities
+        reads the same tensor (tied embeddings). `arena`: where the float32 kernel's packed
+        copy goes (None: huge pages of its own). Raises RuntimeError where the capabilities
         name a kernel that is not built."""
         if self.is_packed:
             return False
@@ -157,7 +162,7 @@ class PackableLinear(nn.Module):
         if kernel is LinearKernel.BF16_MATMUL:
             self.kernel_weight = Bf16MatmulWeight.pack(weight)
         elif kernel is LinearKernel.F32_MATMUL:
-            self.kernel_weight = F32MatmulWeight.pack(weight)
+            self.kernel_weight = F32MatmulWeight.pack(weight, arena)
         else:
             self.packed_weight = pack_weight(weight)
         if not self.is_packed:
@@ -180,7 +185,8 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     capabilities = CpuLinearCapabilities.read()
     shared = _shared_weight_ids(model)
-    return sum(module.pack(id(module.weight) in shared, capabilities) for module in linears)
+    arena = HugePageArena()  # the float32 kernel's packed weights, side by side on 2 MiB pages
+    return sum(module.pack(id(module.weight) in shared, capabilities, arena) for module in linears)
 
 
 def _shared_weight_ids(model: nn.Module) -> set[int]:

@@ -16,7 +16,7 @@ import torch
 
 from common.math_utils import round_up
 from kernels.cpu import kernel_loader as cpu_kernel_loader
-from kernels.cpu.huge_pages import empty_on_huge_pages
+from kernels.cpu.huge_pages import HugePageArena, empty_on_huge_pages
 
 ALIGNMENT_BYTES = 64  # the kernel's aligned loads need 32; torch's CPU allocator gives 64
 
@@ -43,7 +43,10 @@ class F32MatmulWeight:
         return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
 
     @staticmethod
-    def pack(weight: torch.Tensor) -> F32MatmulWeight | None:
+    def pack(weight: torch.Tensor, arena: HugePageArena | None = None) -> F32MatmulWeight | None:
+        """The packed copy of `weight`, in `arena` when given (a model's linears share one:
+        every byte on 2 MiB pages), else on huge pages of its own; None where the kernel does
+        not take it."""
         columns = panel_columns()
         if columns == 0 or not F32MatmulWeight.can_take(weight):
             return None
@@ -51,7 +54,12 @@ class F32MatmulWeight:
         padded = round_up(num_columns, columns)
         rows = torch.zeros(padded, k, dtype=torch.float32)
         rows[:num_columns] = weight.detach()
-        packed = empty_on_huge_pages((padded // columns, k, columns), torch.float32)
+        shape = (padded // columns, k, columns)
+        packed = (
+            arena.empty(shape, torch.float32, ALIGNMENT_BYTES)
+            if arena is not None
+            else empty_on_huge_pages(shape, torch.float32)
+        )
         packed.copy_(rows.view(padded // columns, columns, k).transpose(1, 2))
         if packed.data_ptr() % ALIGNMENT_BYTES:
             raise RuntimeError(f"packed weight at {packed.data_ptr():#x} is not 64-byte aligned")

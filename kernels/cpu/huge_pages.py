@@ -50,6 +50,48 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return buffer[offset : offset + num_bytes].view(dtype).view(shape)
 
 
+# Bytes of one arena chunk (at least: a larger tensor gets a chunk of its own).
+ARENA_CHUNK_BYTES = 32 * 1024 * 1024
+
+
+class HugePageArena:
+    """Hands out many long-lived tensors side by side in chunks on 2 MiB pages.
+
+    `empty_on_huge_pages` alone leaves a tensor under 2 MiB, and the part of a larger one past
+    its last whole 2 MiB, on 4 KiB pages: for SmolLM2's packed float32 linears that was about
+    a quarter of the weight bytes (every o_proj, and the tails of qkv, gate_up and down). Here
+    each tensor starts where the previous one ended (rounded up to `alignment` bytes), so
+    only the tail of a chunk that nothing reaches is left unused, and memory nothing writes is
+    never backed. A tensor keeps its chunk alive; the arena keeps only its current chunk.
+    """
+
+    def __init__(self, chunk_bytes: int = ARENA_CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def empty(
+        self, shape: tuple[int, ...], dtype: torch.dtype, alignment: int = 64
+    ) -> torch.Tensor:
+        """An uninitialised contiguous tensor whose first byte is `alignment`-aligned."""
+        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        start = self._aligned_start(alignment)
+        if start is None or start + num_bytes > self._chunk.numel():
+            size = max(self.chunk_bytes, -(-num_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES)
+            self._chunk, self._used = empty_on_huge_pages((size + alignment,), torch.uint8), 0
+            start = self._aligned_start(alignment)
+        self._used = start + num_bytes
+        return self._chunk[start : start + num_bytes].view(dtype).view(shape)
+
+    def _aligned_start(self, alignment: int) -> int | None:
+        """The first offset in the current chunk at or after what is used whose address is a
+        multiple of `alignment`; None before the first chunk."""
+        if self._chunk is None:
+            return None
+        address = self._chunk.data_ptr() + self._used
+        return self._used + (-address % alignment)
+
+
 @functools.cache
 def _madvise():
     """libc's madvise with its argument types, or None off Linux."""
