@@ -58,8 +58,8 @@ class HugePageArena:
     """Hands out many long-lived tensors side by side in chunks on 2 MiB pages.
 
     `empty_on_huge_pages` alone leaves a tensor under 2 MiB, and the part of a larger one past
-    its last whole 2 MiB, on 4 KiB pages: for SmolLM2's packed float32 linears that was about
-    a quarter of the weight bytes (every o_proj, and the tails of qkv, gate_up and down). Here
+    its last whole 2 MiB, on 4 KiB pages: for SmolLM2's packed float32 linears that was a
+    fifth of the weight bytes (every o_proj, and the tails of qkv, gate_up and down). Here
     each tensor starts where the previous one ended (rounded up to `alignment` bytes), so
     only the tail of a chunk that nothing reaches is left unused, and memory nothing writes is
     never backed. A tensor keeps its chunk alive; the arena keeps only its current chunk.
