@@ -37,7 +37,7 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """An uninitialised contiguous CPU tensor that starts on a 2 MiB boundary and whose
     memory the kernel is asked to back with huge pages (see the module docstring); below
     MIN_BYTES, or where the request cannot be made, a plain `torch.empty`."""
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = _num_bytes(shape, dtype)
     madvise = _madvise()
     if num_bytes < MIN_BYTES or madvise is None:
         return torch.empty(shape, dtype=dtype)
@@ -48,6 +48,10 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if madvise(start + offset, aligned_bytes, MADV_HUGEPAGE) != 0:
         _log_refusal_once(ctypes.get_errno())
     return buffer[offset : offset + num_bytes].view(dtype).view(shape)
+
+
+def _num_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 # Bytes of one arena chunk (at least: a larger tensor gets a chunk of its own).
@@ -74,7 +78,7 @@ class HugePageArena:
         self, shape: tuple[int, ...], dtype: torch.dtype, alignment: int = 64
     ) -> torch.Tensor:
         """An uninitialised contiguous tensor whose first byte is `alignment`-aligned."""
-        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        num_bytes = _num_bytes(shape, dtype)
         start = self._aligned_start(alignment)
         if start is None or start + num_bytes > self._chunk.numel():
             size = max(self.chunk_bytes, -(-num_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES)
