@@ -9,8 +9,8 @@ Outputs are encoded and sent on the PUSH right after each step. Malformed frames
 with an ERROR output for their request and never stop the loop.
 
 Life cycle: start workers -> KV sizing handshake -> serve clients until a signal (exit 0,
-`EngineDead` sent) or a failure (every unfinished request gets an ERROR output, then
-`EngineDead`; exit 1).
+`EngineDead` sent) or a failure (`EngineDead` with the reason, which fails every request the
+client has in flight; exit 1).
 
 Clients, one after another (see `ClientWatch`): every frontend that connects gets `EngineReady`
 on the DEALER as soon as the engine is ready (at once if it already is). When the client
@@ -351,15 +351,9 @@ class EngineCoreProc:
     # ---- failure and shutdown --------------------------------------------------------------
 
     def _fail_unfinished_requests(self, reason: str) -> None:
-        """One ERROR output per request the core holds or has read, then EngineDead."""
+        """`EngineDead(reason)`: the client fails every request it has in flight with it (no
+        per-request ERROR output, which a client could not tell from one request's failure)."""
         _ignore_signals()
-        request_ids = self.engine_core.unfinished_request_ids() if self.engine_core else []
-        request_ids += [
-            item.request_id for item in self.pending_inputs if isinstance(item, Request)
-        ]
-        if request_ids:
-            errors = make_outputs([make_error_output(r, reason) for r in request_ids])
-            self._send(errors, self.config.shutdown_timeout_s)
         self._send(EngineDead(reason), self.config.shutdown_timeout_s)
 
     def _shutdown(self) -> None:

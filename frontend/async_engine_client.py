@@ -66,7 +66,9 @@ class AsyncEngineClient:
     iterator; the request reaches the core when iteration starts and is aborted in the core when
     the iterator is closed or dropped before it finishes.
     With `stream=True` the iterator yields deltas (see `RequestOutput`); with `stream=False`
-    exactly one final output. Must be used from one event loop, the one `start` ran on.
+    exactly one final output. If the engine dies first, the iterator raises `EngineDeadError`
+    whose `outputs` hold the request's output so far (never a normal end with "error" choices).
+    Must be used from one event loop, the one `start` ran on.
     """
 
     def __init__(
@@ -373,6 +375,9 @@ class AsyncEngineClient:
                     yield delta
             if not stream:
                 yield processor.make_final_output()
+        except EngineDeadError as exc:
+            processor.abort(FinishReason.ERROR)
+            raise _with_output_so_far(exc, processor) from None
         finally:
             del self._request_id_to_processor[request_id]
             for task in forwarders:
@@ -429,6 +434,13 @@ async def _forward(source: asyncio.Queue, target: asyncio.Queue) -> None:
         target.put_nowait(item)
         if isinstance(item, BaseException) or item.finished:
             return
+
+
+def _with_output_so_far(error: EngineDeadError, processor: OutputProcessor) -> EngineDeadError:
+    """A new EngineDeadError carrying the request's output so far (its unfinished choices
+    already marked "error" by the caller)."""
+    processor.error = processor.error or error.reason
+    return EngineDeadError(error.reason, [processor.make_final_output()])
 
 
 def _finish_reason_of(error: BaseException) -> FinishReason:

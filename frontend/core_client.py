@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -31,6 +31,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from frontend.core_process import CoreLauncher, CoreProcess, LocalCoreLauncher
+from frontend.request_output import RequestOutput
 from proto import (
     AbortRequests,
     EngineCoreOutput,
@@ -63,7 +64,18 @@ NO_CORE_WARNING_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core is gone; the message says why. Every later call raises it too."""
+    """The engine core is gone; the message says why. Every later call raises it too.
+
+    `outputs`: what the requests it ended had produced by then, one final-shaped
+    `RequestOutput` each (whole text and token ids so far, unfinished choices marked "error"),
+    in the order the caller submitted them; empty where no request was cut off (a call made
+    after the death, a utility call).
+    """
+
+    def __init__(self, reason: str, outputs: Sequence[RequestOutput] = ()) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.outputs = list(outputs)
 
 
 class EngineCoreNotFoundError(TimeoutError):

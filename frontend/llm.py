@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from frontend.async_engine_client import Prompt
+from frontend.core_client import EngineDeadError
 from frontend.engine_client import EngineClient
 from frontend.request_output import RequestOutput
 from proto import SamplingParams
@@ -66,7 +67,9 @@ class LLM:
         `sampling_params`: one for every prompt, or a list with one per prompt.
         `priority`: one for every prompt, or a list with one per prompt; lower values are
         scheduled first under `policy="priority"`, and only 0 (or None) is allowed under fcfs.
-        Raises ValueError (naming the prompt) before anything runs if a prompt is invalid.
+        Raises ValueError (naming the prompt) before anything runs if a prompt is invalid, and
+        `EngineDeadError` if the engine dies before every prompt is done: its `outputs` hold
+        one output per prompt, in input order, the unfinished ones cut off with "error".
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
@@ -108,7 +111,10 @@ class LLM:
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from exc
         with tqdm(total=len(streams), desc="Processed prompts", disable=not use_tqdm) as bar:
-            return list(await asyncio.gather(*(_last(s, bar) for s in streams)))
+            results = await asyncio.gather(
+                *(_last(s, bar) for s in streams), return_exceptions=True
+            )
+        return _outputs_or_raise(results)
 
 
 async def _last(stream: Any, bar: tqdm) -> RequestOutput:
@@ -118,6 +124,20 @@ async def _last(stream: Any, bar: tqdm) -> RequestOutput:
     assert final is not None and final.finished
     bar.update(1)
     return final
+
+
+def _outputs_or_raise(results: list[RequestOutput | BaseException]) -> list[RequestOutput]:
+    """Every prompt's final output; if the engine died, one EngineDeadError whose `outputs`
+    hold every prompt's output (finished, or cut off with "error" choices) in input order;
+    any other failure is raised as it is."""
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, EngineDeadError):
+            raise result
+    deaths = [result for result in results if isinstance(result, EngineDeadError)]
+    if not deaths:
+        return results
+    outputs = [r.outputs[0] if isinstance(r, EngineDeadError) else r for r in results]
+    raise EngineDeadError(deaths[0].reason, outputs)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

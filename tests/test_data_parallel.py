@@ -154,6 +154,10 @@ def test_a_core_killed_fails_every_request_and_stops_the_other_core():
     pids, results, failed_after_s = run(with_client(make_config(), body))
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert all("engine core 1 of 2" in str(r) for r in results), results
+    for error in results:  # each carries its request's tokens so far, on both cores
+        (output,) = error.outputs
+        (completion,) = output.outputs
+        assert completion.finish_reason == "error" and len(completion.token_ids) >= 1
     assert failed_after_s < 10.0
     assert wait_until(lambda: not any(is_alive(pid) for pid in pids), 15.0)
 

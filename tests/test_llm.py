@@ -25,6 +25,7 @@ from frontend import (
 )
 from frontend.text.null_tokenizer import NullTokenizer
 from proto.engine_config import EngineConfig
+from tests.engine_death import assert_cut_off_outputs, engine_worker_pids, kill_once_generating
 
 NULL_TOKEN_TEXT = "*"
 TOKENIZER = NullTokenizer()
@@ -201,6 +202,40 @@ def test_wait_until_dead_returns_the_reason_once_the_core_dies():
                 engine.generate("after")
 
     asyncio.run(scenario())
+
+
+def test_a_worker_killed_during_generate_raises_engine_dead_carrying_the_outputs_so_far():
+    """Not a normal return with cut-off outputs (a batch script would take them for results):
+    EngineDeadError, whose `outputs` hold every prompt's tokens so far, in input order."""
+    prompts = ["first", [5, 6, 7], "third", "4"]
+    with LLM(model="null", max_num_seqs=4, max_model_len=100_000) as llm:
+        (worker_pid,) = engine_worker_pids(llm)
+        killer = kill_once_generating(
+            llm, len(prompts), lambda: os.kill(worker_pid, signal.SIGKILL)
+        )
+        with pytest.raises(EngineDeadError) as dead:
+            llm.generate(prompts, SamplingParams(max_tokens=90_000), use_tqdm=False)
+        killer.join()
+        assert killer.saw_generating
+        assert f"worker rank 0 (pid {worker_pid}) died (signal SIGKILL)" in dead.value.reason
+        assert_cut_off_outputs(dead.value, prompts, token_id=42)
+        with pytest.raises(EngineDeadError):
+            llm.generate("after", use_tqdm=False)
+
+
+def test_a_stream_of_engine_client_raises_engine_dead_carrying_its_output_so_far():
+    with EngineClient(EngineConfig(model="null", max_model_len=100_000)) as client:
+        stream = client.generate("hi", SamplingParams(max_tokens=90_000))
+        first = next(stream)
+        assert first.outputs[0].token_ids == [42]
+        os.kill(client.engine._core.core_pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="SIGKILL") as dead:
+            for _ in stream:
+                pass
+        (output,) = dead.value.outputs
+        assert output.finished and output.outputs[0].finish_reason == "error"
+        assert len(output.outputs[0].token_ids) >= 1  # the whole completion so far, not a delta
+        assert output.outputs[0].text == NULL_TOKEN_TEXT * len(output.outputs[0].token_ids)
 
 
 @contextlib.contextmanager

@@ -3,8 +3,8 @@ a head that holds no CPU (nothing is placed there) and three nodes of one CPU ea
 
 - Tensor parallelism 3 with one rank per node (STRICT_SPREAD) gives the single-device greedy
   tokens of the default SmolLM2; shutdown removes the placement group and the actors.
-- A node removed during a generate fails every in-flight request within seconds, naming the
-  rank and what Ray says of its actor.
+- A node removed during `LLM.generate` raises EngineDeadError within seconds, naming the rank
+  and what Ray says of its actor, with every prompt's output so far.
 - Two data-parallel replicas placed by Ray behind one frontend give the single-device tokens.
 - A placement the cluster cannot hold fails start-up within startup_timeout_s, naming what is
   missing, and leaves no pending placement group.
@@ -21,11 +21,14 @@ import time
 import msgspec
 import pytest
 
+from frontend import LLM
 from frontend.core_client import AsyncCoreClient, EngineDeadError
 from frontend.data_parallel_client import DataParallelCoreClient
-from proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from proto import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from proto.engine_config import EngineConfig
+from tests.engine_death import assert_cut_off_outputs, kill_once_generating
 from tests.engine_helpers import generate_token_ids
+from worker.null_worker import NULL_TOKEN_ID
 
 ray = pytest.importorskip("ray")
 
@@ -192,9 +195,11 @@ def test_a_placement_the_cluster_cannot_hold_fails_naming_what_is_missing(ray_cl
     assert live_placement_groups() == []
 
 
-def test_a_node_lost_during_a_generate_fails_every_request_naming_the_rank(ray_cluster):
-    """The node of rank 1 is removed (its raylet and processes killed): its link closes, and
-    every in-flight request fails within seconds with the rank and Ray's account."""
+def test_a_node_lost_during_llm_generate_raises_engine_dead_naming_the_rank(ray_cluster):
+    """The node of rank 1 is removed (its raylet and processes killed) while `LLM.generate`
+    runs 4 prompts: its link closes, and `generate` raises EngineDeadError within seconds, with
+    the rank and Ray's account, carrying every prompt's tokens so far (a batch script never
+    takes cut-off outputs for results)."""
     config = ray_config(
         model="null",
         tensor_parallel_size=3,
@@ -202,36 +207,29 @@ def test_a_node_lost_during_a_generate_fails_every_request_naming_the_rank(ray_c
         max_model_len=100_000,
         num_gpu_blocks_override=None,
     )
-    long = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    prompts = [[10 + i] * 12 for i in range(4)]
+    removed_at: list[float] = []
 
-    async def scenario():
-        client = AsyncCoreClient(config)
-        try:
-            await client.start()
-            (group,) = live_placement_groups()
-            queues = [
-                client.add_request(EngineCoreRequest(f"r{i}", [10 + i] * 12, long))
-                for i in range(3)
-            ]
-            for queue in queues:
-                assert (await asyncio.wait_for(queue.get(), OUTPUT_TIMEOUT_S)).finished is False
-            rank1_node_id = group["bundles_to_node_id"][1]
-            (node,) = [n for n in ray_cluster.worker_nodes if n.node_id == rank1_node_id]
-            ray_cluster.remove_node(node, allow_graceful=False)
-            started = time.monotonic()
-            errors = [(await final_output(queue))[1] for queue in queues]
-            return errors, time.monotonic() - started
-        finally:
-            await client.shutdown()
+    def remove_rank_1_node() -> None:
+        (group,) = live_placement_groups()
+        rank1_node_id = group["bundles_to_node_id"][1]
+        (node,) = [n for n in ray_cluster.worker_nodes if n.node_id == rank1_node_id]
+        ray_cluster.remove_node(node, allow_graceful=False)
+        removed_at.append(time.monotonic())
 
     try:
-        errors, elapsed_s = asyncio.run(scenario())
+        with LLM(**msgspec.structs.asdict(config)) as llm:
+            killer = kill_once_generating(llm, len(prompts), remove_rank_1_node)
+            with pytest.raises(EngineDeadError) as dead:
+                llm.generate(prompts, SamplingParams(max_tokens=90_000), use_tqdm=False)
+            failed_after_s = time.monotonic() - removed_at[0]
+            killer.join()
+            assert killer.saw_generating
     finally:
         add_node(ray_cluster)
-    assert elapsed_s < 10
-    for output in errors:
-        assert output.finish_reason == FinishReason.ERROR
-        assert "engine core failed: worker rank 1 (at " in output.error
-        assert "its Ray actor on node" in output.error
+    assert failed_after_s < 10
+    assert "engine core failed: worker rank 1 (at " in dead.value.reason
+    assert "its Ray actor on node" in dead.value.reason
+    assert_cut_off_outputs(dead.value, prompts, token_id=NULL_TOKEN_ID)
     wait_for_free_cpus(NUM_NODES)
     assert live_placement_groups() == []

@@ -456,10 +456,10 @@ def test_kill_9_of_one_rank_fails_every_in_flight_request_and_leaves_no_process(
             rank_1_pid = worker_pid(client.core_pid, rank=1)
             os.kill(rank_1_pid, signal.SIGKILL)
             for queue in queues:
-                _, output = await final_output(queue)
-                assert output.finish_reason == FinishReason.ERROR
+                with pytest.raises(EngineDeadError) as dead:
+                    await final_output(queue)
                 # The killed rank is named as the cause, before rank 0's failed collective.
-                assert f"worker rank 1 (pid {rank_1_pid}) died (signal SIGKILL)" in output.error
+                assert f"worker rank 1 (pid {rank_1_pid}) died (signal SIGKILL)" in str(dead.value)
             # The core fails, stops the surviving rank and exits, all by itself.
             assert await still_alive_after(pids, timeout_s=20) == []
             assert client.is_dead
