@@ -13,6 +13,7 @@ import asyncio
 import http.client
 import json
 import re
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -230,6 +231,35 @@ def test_64_concurrent_streams_complete_and_free_the_kv_cache(server):
     assert metric(server.base_url, "num_requests_running") == 0
     assert metric(server.base_url, "num_requests_waiting") == 0
     assert metric(server.base_url, "kv_cache_usage_perc") == 0.0
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "long"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "long"}]}),
+    ],
+)
+def test_every_chunk_of_a_stream_has_the_same_id_model_and_created(server, path, body):
+    """A stream read for more than a second (60000 null tokens take far longer): `created` is
+    the response's, fixed when it began, not each chunk's own time."""
+    body = {**body, "model": MODEL_NAME, "max_tokens": 60000, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    began_s = time.time()
+    chunks = []
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{server.base_url}{path}", json=body, headers=headers) as response,
+    ):
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+            if time.time() - began_s > 2.5 and len(chunks) > 1:
+                break
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert {chunk["model"] for chunk in chunks} == {MODEL_NAME}
+    (created,) = {chunk["created"] for chunk in chunks}
+    assert int(began_s) <= created <= int(began_s) + 1
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(server):

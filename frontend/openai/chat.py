@@ -25,7 +25,7 @@ from frontend.openai.engine_requests import (
 )
 from frontend.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from frontend.openai.output_streams import final_outputs, merge_outputs
-from frontend.openai.protocol.base import UsageInfo, random_id
+from frontend.openai.protocol.base import ResponseHeader, UsageInfo, random_id
 from frontend.openai.protocol.chat import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -49,14 +49,13 @@ async def create_chat_completion(
     plan = _tool_plan(engine, body, settings)
     params = await _chat_sampling_params(engine, body, plan)
     prompt_token_ids = await _chat_prompt_token_ids(engine, body, plan)
-    request_id = random_id("chatcmpl")
-    model_name = settings.served_model_name
-    stream = submit(engine, body, prompt_token_ids, params, request_id, "messages")
+    header = ResponseHeader.new("chatcmpl", settings.served_model_name)
+    stream = submit(engine, body, prompt_token_ids, params, header.id, "messages")
     if body.stream:
-        events = _chat_events(engine, body, plan, stream, request_id, model_name)
+        events = _chat_events(engine, body, plan, stream, header)
         return StreamingResponse(events, media_type="text/event-stream")
     (final,) = await final_outputs([stream])
-    return _chat_response(engine, body, plan, final, request_id, model_name)
+    return _chat_response(engine, body, plan, final, header)
 
 
 def _tool_plan(
@@ -113,8 +112,7 @@ def _chat_response(
     body: ChatCompletionRequest,
     plan: ToolPlan,
     final: RequestOutput,
-    request_id: str,
-    model_name: str,
+    header: ResponseHeader,
 ) -> ChatCompletionResponse:
     choices = []
     for completion in final.outputs:
@@ -129,8 +127,7 @@ def _chat_response(
             )
         )
     return ChatCompletionResponse(
-        id=request_id,
-        model=model_name,
+        **header.fields(),
         choices=choices,
         usage=usage([final]),
         prompt_logprobs=(
@@ -153,8 +150,7 @@ async def _chat_events(
     body: ChatCompletionRequest,
     plan: ToolPlan,
     stream: AsyncIterator[RequestOutput],
-    request_id: str,
-    model_name: str,
+    header: ResponseHeader,
 ) -> AsyncIterator[str]:
     """SSE chunks: the assistant role for every choice, then content deltas; usage; [DONE].
 
@@ -162,9 +158,7 @@ async def _chat_events(
     read whole (a call is only known once it is complete) and sent as one delta at the end."""
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-        response = ChatCompletionStreamResponse(
-            id=request_id, model=model_name, choices=choices, usage=usage
-        )
+        response = ChatCompletionStreamResponse(**header.fields(), choices=choices, usage=usage)
         return sse(response)
 
     final = None

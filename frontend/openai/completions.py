@@ -26,7 +26,7 @@ from frontend.openai.engine_requests import (
 )
 from frontend.openai.logprobs import append_logprobs, echo_logprobs, vllm_prompt_logprobs
 from frontend.openai.output_streams import final_outputs, merge_outputs
-from frontend.openai.protocol.base import UsageInfo, random_id
+from frontend.openai.protocol.base import ResponseHeader, UsageInfo
 from frontend.openai.protocol.completions import (
     CompletionChoice,
     CompletionLogprobs,
@@ -42,15 +42,15 @@ async def create_completion(
 ) -> Response | BaseModel:
     params = sampling_params(body)
     await check_output_constraint(engine, params, body.structured_outputs_field()[1])
-    request_id = random_id("cmpl")
+    header = ResponseHeader.new("cmpl", model_name)
     prompts = body.prompts()
     token_ids = [await _tokenize(engine, prompt) for prompt in prompts]
     streams = [
-        submit(engine, body, prompt, params, f"{request_id}-{index}", "prompt", ids)
+        submit(engine, body, prompt, params, f"{header.id}-{index}", "prompt", ids)
         for index, (prompt, ids) in enumerate(zip(prompts, token_ids, strict=True))
     ]
     if body.stream:
-        events = _completion_events(engine, body, streams, request_id, model_name)
+        events = _completion_events(engine, body, streams, header)
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await final_outputs(streams)
     choices = _completion_choices(engine, body, finals)
@@ -58,8 +58,7 @@ async def create_completion(
     if body.scores_prompt_only:
         total_usage = UsageInfo.of(total_usage.prompt_tokens, 0)
     return CompletionResponse(
-        id=request_id,
-        model=model_name,
+        **header.fields(),
         choices=choices,
         usage=total_usage,
         kv_transfer_params=finals[0].kv_transfer_params,
@@ -101,8 +100,7 @@ async def _completion_events(
     engine: AsyncEngineClient,
     body: CompletionRequest,
     streams: list[AsyncIterator[RequestOutput]],
-    request_id: str,
-    model_name: str,
+    header: ResponseHeader,
 ) -> AsyncIterator[str]:
     """SSE chunks, one per request update; usage last if asked; then [DONE]."""
     finals: dict[int, RequestOutput] = {}
@@ -134,14 +132,12 @@ async def _completion_events(
                 )
             if output.finished:
                 finals[prompt_index] = output
-            yield sse(CompletionResponse(id=request_id, model=model_name, choices=choices))
+            yield sse(CompletionResponse(**header.fields(), choices=choices))
             if (error := request_failed_error(output)) is not None:
                 yield sse_error(error)
         if body.include_usage_in_stream:
             total_usage = usage(list(finals.values()))
-            yield sse(
-                CompletionResponse(id=request_id, model=model_name, choices=[], usage=total_usage)
-            )
+            yield sse(CompletionResponse(**header.fields(), choices=[], usage=total_usage))
     except (EngineDeadError, ServiceStoppedError) as exc:
         yield sse_error(unavailable_error(exc))
     yield SSE_DONE

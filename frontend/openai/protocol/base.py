@@ -5,7 +5,9 @@ fields, and the pieces both endpoints answer with (`UsageInfo`, `PromptLogprob`)
 from __future__ import annotations
 
 import logging
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import (
@@ -116,3 +118,20 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHeader:
+    """What every body of one response carries unchanged, whole or chunk by chunk: its `id`,
+    the `model` name and `created` (Unix seconds, taken once when the request arrived)."""
+
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def new(cls, id_prefix: str, model: str) -> ResponseHeader:
+        return cls(id=random_id(id_prefix), model=model, created=int(time.time()))
+
+    def fields(self) -> dict[str, Any]:
+        return {"id": self.id, "model": self.model, "created": self.created}

@@ -4,7 +4,6 @@ logprobs and stream chunks."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Literal
 
 from pydantic import (
@@ -139,7 +138,7 @@ class ChatCompletionChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # one value for every chunk of a response (ResponseHeader)
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
@@ -164,7 +163,7 @@ class ChatCompletionStreamChoice(BaseModel):
 class ChatCompletionStreamResponse(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # one value for every chunk of a response (ResponseHeader)
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None

@@ -3,7 +3,6 @@ chunks."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import (
@@ -123,7 +122,7 @@ class CompletionChoice(BaseModel):
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # one value for every chunk of a response (ResponseHeader)
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
