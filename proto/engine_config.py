@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from common.dtypes import DTYPE_NAMES
+from common.human_readable_int import parse_human_readable_int
 from proto.endpoints import is_wildcard_host, parse_tcp_address
 from proto.kv_transfer import OFFLOADING_CONNECTOR, TCP_CONNECTOR, KVTransferConfig
 from proto.speculative_config import SpeculativeConfig
@@ -85,10 +86,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     def __post_init__(self) -> None:
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)  # vLLM's spellings: auto, half, float
         _check(
-            self.dtype is None or self.dtype in DTYPE_NAMES,
-            f"dtype must be None or one of {DTYPE_NAMES}, got {self.dtype!r}",
+            dtype is None or dtype in DTYPE_NAMES,
+            f"dtype must be auto (None) or one of {(*DTYPE_NAMES, *DTYPE_ALIASES)}, got "
+            f"{self.dtype!r}",
         )
+        msgspec.structs.force_setattr(self, "dtype", dtype)
         _check(
             self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
             f"block_size must be a power of two, got {self.block_size}",
@@ -349,26 +353,24 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def from_cli_args(
         cls, args: argparse.Namespace, base: EngineConfig | None = None
     ) -> EngineConfig:
-        """`base` (or the defaults) with every flag the user set applied; "none" unsets a field."""
+        """`base` (or the defaults) with every flag the user set applied; "none" unsets a field.
+        A value its field cannot take is a ValueError naming the flag and the value."""
         values: dict[str, Any] = msgspec.structs.asdict(base) if base is not None else {}
         for field in msgspec.structs.fields(cls):
             value = getattr(args, field.name, None)
-            if value is None:
-                continue
-            if value in ("none", "None"):
-                values[field.name] = None
-            elif field.name in JSON_FIELDS:
-                values[field.name] = msgspec.structs.asdict(JSON_FIELDS[field.name](value))
-            else:
-                values[field.name] = value
-        try:
-            return msgspec.convert(values, cls, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"invalid engine option: {exc}") from exc
+            if value is not None:
+                values[field.name] = _field_value(field, value)
+        return cls(**values)
 
 
 # Fields the engine fills in for its own processes, never a user's flag.
 INTERNAL_FIELDS = frozenset({"data_parallel_rank"})
+
+# vLLM's other names of dtypes: "auto" is None (the engine picks per device).
+DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32"}
+
+# Token counts whose flag takes vLLM's human-readable integers (16k, 16K) and "auto" (None).
+HUMAN_READABLE_INT_FIELDS = frozenset({"max_model_len", "max_num_batched_tokens"})
 
 # Fields whose flag takes a JSON object, each with the parser that validates it.
 JSON_FIELDS = {
@@ -380,15 +382,16 @@ FIELD_HELP = {
     "model": "HF folder or .gguf file (None: the default SmolLM2-135M-Instruct; 'null': no model)",
     "device": "auto, cpu or cuda",
     "dtype": (
-        "float32, float16 or bfloat16 (None: bfloat16 on CUDA and on CPUs with avx512_bf16 or "
-        "AMX, float32 on other CPUs)"
+        "auto, float32 (float), float16 (half) or bfloat16 (auto or None: bfloat16 on CUDA and "
+        "on CPUs with avx512_bf16 or AMX, float32 on other CPUs)"
     ),
     "block_size": "tokens per KV cache block",
     "max_num_seqs": "most requests running in one step",
     "max_num_batched_tokens": (
-        "token budget of one step; longer prompts are chunked (None: 2048 on CUDA, 1024 on CPU)"
+        "token budget of one step; longer prompts are chunked; 8k = 8,000, 8K = 8,192 (None: "
+        "2048 on CUDA, 1024 on CPU)"
     ),
-    "max_model_len": "context window (None: the model's)",
+    "max_model_len": "context window; 16k = 16,000, 16K = 16,384 (auto or None: the model's)",
     "gpu_memory_utilization": "share of GPU memory the worker may use",
     "num_gpu_blocks_override": "exact number of KV blocks, instead of profiling",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
@@ -455,6 +458,24 @@ FIELD_HELP = {
         "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"
     ),
 }
+
+
+def _field_value(field: msgspec.structs.FieldInfo, text: Any) -> Any:
+    """A flag's value converted to its field's type; ValueError naming the flag and value."""
+    flag = "--" + field.name.replace("_", "-")
+    try:
+        if text in ("none", "None"):
+            return None
+        if field.name in JSON_FIELDS:
+            return msgspec.structs.asdict(JSON_FIELDS[field.name](text))
+        if field.name in HUMAN_READABLE_INT_FIELDS and isinstance(text, str):
+            return None if text == "auto" else parse_human_readable_int(text)
+        return msgspec.convert(text, field.type, strict=False)
+    except msgspec.ValidationError as exc:
+        expected = str(exc).split(" - at ")[0]
+        raise ValueError(f"{flag} {text!r}: {expected}") from None
+    except ValueError as exc:
+        raise ValueError(f"{flag} {text!r}: {exc}") from None
 
 
 def describe_ranks(ranks: Sequence[int]) -> str:

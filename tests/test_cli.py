@@ -75,12 +75,34 @@ def test_served_model_name_defaults_to_the_model_argument():
     assert parse_args(["--model", "/models/qwen"])[1].served_model_name == "/models/qwen"
 
 
+def test_vllm_habits_are_accepted_with_vllms_meaning():
+    """`vllm serve MODEL`, --dtype auto/half/float, several served names, 16k / 16K."""
+    config, settings, _ = parse_args(["/models/qwen", "--dtype", "auto", "--max-model-len", "16k"])
+    assert (config.model, config.dtype, config.max_model_len) == ("/models/qwen", None, 16_000)
+    assert settings.served_model_names == ("/models/qwen",)
+    assert parse_args(["--dtype", "auto"])[0] == EngineConfig()  # auto picks what None picks
+    assert parse_args(["--dtype", "half"])[0].dtype == "float16"
+    assert parse_args(["--dtype", "float"])[0].dtype == "float32"
+    assert parse_args(["--max-model-len", "16K"])[0].max_model_len == 16_384
+    assert parse_args(["--max-model-len", "1.5k"])[0].max_model_len == 1_500
+    assert parse_args(["--max-model-len", "auto"])[0].max_model_len is None
+    assert parse_args(["--max-num-batched-tokens", "2K"])[0].max_num_batched_tokens == 2_048
+    assert parse_args(["null", "--model", "null"])[0].model == "null"  # the same model twice
+    settings = parse_args(["--served-model-name", "first", "second"])[1]
+    assert settings.served_model_names == ("first", "second")
+    assert settings.served_model_name == "first"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--block-size", "3"], "block_size must be a power of two, got 3"),
         (["--device", "tpu"], "device must be one of"),
-        (["--max-num-seqs", "many"], "invalid engine option"),
+        (["--max-num-seqs", "many"], "--max-num-seqs 'many': Expected `int`"),
+        (["--max-model-len", "lots"], "--max-model-len 'lots': expected an integer such as"),
+        (["--max-model-len", "1.5K"], "a fraction needs a decimal suffix (k, m, g, t)"),
+        (["--dtype", "int8"], "dtype must be auto (None) or one of"),
+        (["a", "--model", "b"], "the model is given twice, as MODEL 'a' and as --model 'b'"),
         (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
         (
             ["--data-parallel-size", "2", "--frontend-address", "ipc:///tmp/core"],

@@ -14,7 +14,7 @@ from frontend.openai.server_settings import ServerSettings
 
 def test_a_404_naming_a_model_that_utf8_cannot_encode_has_a_json_body():
     with pytest.raises(APIError) as error:
-        _check_model("a\ud800", ServerSettings(served_model_name="served"))
+        _check_model("a\ud800", ServerSettings(served_model_names=("served",)))
     response = _error_json(error.value)
     assert response.status_code == 404
     body = json.loads(response.body)

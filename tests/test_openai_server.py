@@ -32,6 +32,7 @@ from tests.server_process import ServerProcess, wait_until
 
 API_KEY = "test-key"
 MODEL_NAME = "null-model"
+MODEL_ALIAS = "null-alias"  # a second --served-model-name
 NULL_MAX_MODEL_LEN = 65536
 TOKENIZER = NullTokenizer()
 MAX_BODY_BYTES = 1_000_000
@@ -51,7 +52,7 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
     server = ServerProcess(
         [
             "--model", "null",
-            "--served-model-name", MODEL_NAME,
+            "--served-model-name", MODEL_NAME, MODEL_ALIAS,
             "--api-key", API_KEY,
             "--max-request-body-bytes", str(MAX_BODY_BYTES),
             "--max-model-len", str(NULL_MAX_MODEL_LEN),
@@ -456,15 +457,28 @@ def test_bad_api_key_answers_401_and_unknown_model_404(server, client):
     with pytest.raises(openai.NotFoundError) as not_found:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     assert not_found.value.body == {
-        "message": f"The model `no-such-model` does not exist; this server serves `{MODEL_NAME}`",
+        "message": (
+            "The model `no-such-model` does not exist; this server serves "
+            f"`{MODEL_NAME}`, `{MODEL_ALIAS}`"
+        ),
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",
     }
 
 
+def test_every_served_name_is_listed_and_served_and_answers_carry_the_first(client):
+    assert [card.id for card in client.models.list().data] == [MODEL_NAME, MODEL_ALIAS]
+    response = client.completions.create(model=MODEL_ALIAS, prompt="x", max_tokens=2)
+    assert response.model == MODEL_NAME and response.choices[0].text == "**"
+    chat = client.chat.completions.create(
+        model=MODEL_ALIAS, messages=[{"role": "user", "content": "x"}], max_tokens=1
+    )
+    assert chat.model == MODEL_NAME
+
+
 def test_models_health_and_metrics(server, client):
-    (card,) = client.models.list().data
+    card = client.models.list().data[0]
     assert card.id == MODEL_NAME
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     client.completions.create(model=MODEL_NAME, prompt="warm up the histograms", max_tokens=3)

@@ -175,10 +175,11 @@ def _add_info_routes(app: FastAPI, settings: ServerSettings) -> None:
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models(request: Request) -> ModelList:
-        card = ModelCard(
-            id=settings.served_model_name, max_model_len=_engine(request).max_model_len
-        )
-        return ModelList(data=[card])
+        max_model_len = _engine(request).max_model_len
+        cards = [
+            ModelCard(id=name, max_model_len=max_model_len) for name in settings.served_model_names
+        ]
+        return ModelList(data=cards)
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
     async def model(model_id: str, request: Request) -> ModelCard:
@@ -266,11 +267,11 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def _check_model(model: str | None, settings: ServerSettings) -> None:
-    if model is not None and model != settings.served_model_name:
+    if model is not None and model not in settings.served_model_names:
+        served = ", ".join(f"`{name}`" for name in settings.served_model_names)
         raise APIError(
             404,
-            f"The model `{model}` does not exist; this server serves "
-            f"`{settings.served_model_name}`",
+            f"The model `{model}` does not exist; this server serves {served}",
             param="model",
             code="model_not_found",
         )

@@ -1,8 +1,8 @@
 """`core-serve`: the OpenAI-compatible server on the command line (flags named as in vLLM).
 
 core-serve                                  # the default SmolLM2-135M-Instruct GGUF
-core-serve --model null --port 8001         # the model-free null worker
-core-serve --model /models/Qwen2-0.5B --max-num-seqs 64 --api-key secret
+core-serve null --port 8001                 # the model-free null worker
+core-serve /models/Qwen2-0.5B --max-num-seqs 64 --api-key secret   # or --model PATH
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ def make_parser() -> argparse.ArgumentParser:
         prog="core-serve",
         description="Serve a model over an OpenAI-compatible HTTP API.",
     )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve, as in `vllm serve MODEL` (the same as --model)",
+    )
     EngineConfig.add_cli_arguments(parser)  # --model, --device, --max-num-seqs, ...
     parser.add_argument(
         "--host", default=DEFAULT_HOST, help=f"interface to listen on (default: {DEFAULT_HOST})"
@@ -45,8 +52,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send (default: --model, or SmolLM2-135M-Instruct)",
+        metavar="NAME",
+        help="the names clients may send as `model`; responses carry the first (default: the "
+        f"MODEL or --model string as given, or {DEFAULT_SERVED_MODEL_NAME} for the default model)",
     )
     parser.add_argument(
         "--frontend-address",
@@ -93,6 +103,13 @@ def parse_args(
     """Engine config and server settings from the command line; exits with usage on errors."""
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(
+                f"the model is given twice, as MODEL {args.model_tag!r} and as --model "
+                f"{args.model!r}: give one"
+            )
+        args.model = args.model_tag
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.max_request_body_bytes < 1024:
@@ -114,9 +131,9 @@ def parse_args(
             "attaches to one core started separately"
         )
     settings = ServerSettings(
-        served_model_name=args.served_model_name
-        or engine_config.model
-        or DEFAULT_SERVED_MODEL_NAME,
+        served_model_names=tuple(
+            args.served_model_name or [engine_config.model or DEFAULT_SERVED_MODEL_NAME]
+        ),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         log_stats_interval_s=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
         tool_call_parser=args.tool_call_parser,

@@ -11,11 +11,21 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 
 @dataclass(slots=True, frozen=True)
 class ServerSettings:
-    """How the server presents the engine. `log_stats_interval_s` None disables the stats log."""
+    """How the server presents the engine. `served_model_names`: every name a request may give
+    as `model` (responses carry the first). `log_stats_interval_s` None disables the stats log."""
 
-    served_model_name: str
+    served_model_names: tuple[str, ...]
     api_key: str | None = None
     log_stats_interval_s: float | None = 10.0
     tool_call_parser: str | None = None  # reads tool calls back for tool_choice "auto"
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     enable_web_ui: bool = True  # the page at /; GET /engine/state is served either way
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+
+    @property
+    def served_model_name(self) -> str:
+        """The name responses carry: the first served name."""
+        return self.served_model_names[0]
