@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             grace_s=3 * config.shutdown_timeout_s,
             on_orphaned=lambda: remove_dead_frontend_sockets(args.frontend_address),
         )
-    return EngineCoreProc(config, args.frontend_address).run(stop_on_sigint=not args.watch_parent)
+    return EngineCoreProc(config, args.frontend_address).run(launched_by_frontend=args.watch_parent)
 
 
 if __name__ == "__main__":

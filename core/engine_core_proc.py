@@ -31,6 +31,7 @@ import time
 import msgspec
 import zmq
 
+from common.config_error import ConfigError
 from core.client_watch import ClientEvent, ClientWatch
 from core.engine_core import (
     EngineCore,
@@ -106,11 +107,12 @@ class EngineCoreProc:
         self.ready: EngineReady | None = None  # what every client is greeted with
         self.step_trace = StepTrace.from_env()  # CORE_ENGINE_STEP_TRACE: one line per step
 
-    def run(self, stop_on_sigint: bool = True) -> int:
-        """`stop_on_sigint=False` for a core launched by a frontend: a terminal's Ctrl-C reaches
-        the whole process group, and the frontend, which drains its requests first, decides when
-        its core stops (with SIGTERM)."""
-        _install_signal_handlers(stop_on_sigint)
+    def run(self, launched_by_frontend: bool = False) -> int:
+        """Serves until stopped (0) or failed (1). A core `launched_by_frontend` ignores SIGINT
+        (a terminal's Ctrl-C reaches the whole process group, and the frontend, which drains its
+        requests first, decides when its core stops, with SIGTERM) and leaves a config error
+        for the frontend to report; started by hand, it stops on SIGINT and logs that error."""
+        _install_signal_handlers(stop_on_sigint=not launched_by_frontend)
         start = time.monotonic()
         try:
             self.ready = self._start_engine()
@@ -123,6 +125,11 @@ class EngineCoreProc:
                 EngineDead(f"engine core was stopped by {exc}"), self.config.shutdown_timeout_s
             )
             return 0
+        except ConfigError as exc:  # the user's to fix: one line, no traceback
+            level = logging.DEBUG if launched_by_frontend else logging.ERROR
+            logger.log(level, "engine core cannot start: %s", exc)
+            self._send(EngineDead(str(exc), is_config_error=True), self.config.shutdown_timeout_s)
+            return 1
         except Exception as exc:
             logger.exception("engine core failed")
             self._fail_unfinished_requests(f"engine core failed: {exc}")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from common.config_error import ConfigError
 from common.ports import find_free_port
 from common.process_watch import describe_exit, python_module_command, stop_process
 from core.worker_listener import WorkerListener
@@ -214,7 +215,7 @@ class MultiprocExecutor:
             raise self._unexpected_message(worker, "during a step", message, ModelRunnerOutput)
         return message
 
-    def fail_on_message(self, fd: int) -> WorkerFailedError:
+    def fail_on_message(self, fd: int) -> WorkerFailedError | ConfigError:
         """The error for a worker whose pipe `fd` polled readable between steps (a worker
         speaks only when asked, so it reported an error or exited)."""
         return self._unexpected_message(self._fd_to_worker[fd], "between steps")
@@ -242,10 +243,13 @@ class MultiprocExecutor:
                 return message
         return None
 
-    def _worker_failed(self, error: WorkerError) -> WorkerFailedError:
+    def _worker_failed(self, error: WorkerError) -> WorkerFailedError | ConfigError:
         """`error`, preceded by every other rank that a signal ended (kill -9, the OOM killer, a
         crash), or that disconnected without a word if remote: such a rank is the cause, and
-        the surviving ranks' failed collectives ("Connection reset by peer") are symptoms."""
+        the surviving ranks' failed collectives ("Connection reset by peer") are symptoms. A
+        worker's config error is a ConfigError with the worker's message, as it is."""
+        if error.is_config_error:
+            return ConfigError(error.message)
         wait_s = PEER_DEATH_GRACE_S if len(self.workers) > 1 else 0.0
         causes = [self._describe_death(w) for w in self._killed_workers(error.rank, wait_s)]
         return WorkerFailedError("; ".join([*causes, _describe_worker_error(error)]))
@@ -335,7 +339,7 @@ class MultiprocExecutor:
         when: str,
         message: msgspec.Struct | None = None,
         expected: type | None = None,
-    ) -> WorkerFailedError:
+    ) -> WorkerFailedError | ConfigError:
         """The error for a message from `worker` that was not awaited (read now if `message`
         is None): the worker's own error or death if that is what it was."""
         message = self._receive(worker) if message is None else message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.config_error import ConfigError
 from common.math_utils import cdiv
 from core.kv_cache_spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from proto.engine_config import POLICIES
@@ -75,7 +76,7 @@ def check_pool_holds_one_request(config: SchedulerConfig, kv_cache_config: KVCac
     num_groups = kv_cache_config.num_groups
     in_groups = f" in its {num_groups} KV cache groups" if num_groups > 1 else ""
     if config.num_gpu_blocks - 1 < num_blocks_needed:
-        raise ValueError(
+        raise ConfigError(
             f"num_gpu_blocks={config.num_gpu_blocks} cannot hold one request of max_model_len="
             f"{config.max_model_len} tokens{in_groups} ({num_blocks_needed} blocks of "
             f"{config.block_size} plus the null block); lower max_model_len or give the KV cache "

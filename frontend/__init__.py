@@ -7,6 +7,7 @@ with LLM() as llm:  # the default SmolLM2-135M-Instruct
     print(llm.generate("Hello", SamplingParams(max_tokens=8))[0].outputs[0].text)
 """
 
+from common.config_error import ConfigError
 from frontend.async_engine_client import (
     AsyncEngineClient,
     InvalidPromptError,
@@ -22,6 +23,7 @@ __all__ = [
     "LLM",
     "AsyncEngineClient",
     "CompletionOutput",
+    "ConfigError",
     "EngineClient",
     "EngineCoreNotFoundError",
     "EngineDeadError",

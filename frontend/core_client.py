@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from common.config_error import ConfigError
 from frontend.core_process import CoreLauncher, CoreProcess, LocalCoreLauncher
 from frontend.request_output import RequestOutput
 from proto import (
@@ -61,6 +62,8 @@ HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 10_000
 # Attach: how long no core may have connected before the client says so.
 NO_CORE_WARNING_S = 5.0
+# How long a core seen gone during start-up may take to deliver what it sent before it went.
+LAST_WORDS_WAIT_S = 0.5
 
 
 class EngineDeadError(RuntimeError):
@@ -166,7 +169,8 @@ class AsyncCoreClient:
     async def start(self) -> None:
         """Binds, launches the core, waits for `EngineReady` (bounded), starts dispatching.
 
-        Raises EngineDeadError if the core dies or reports failure during start-up, and
+        Raises EngineDeadError if the core dies or reports failure during start-up, ConfigError
+        if the engine cannot run with its settings (the message names the setting), and
         TimeoutError if it does not become ready in time; either way nothing is left behind.
         """
         if self._context is not None:
@@ -249,20 +253,26 @@ class AsyncCoreClient:
                 return ready
             self._read_outputs_before_ready()
             if (reason := self._core_gone_reason()) is not None:
+                # Its last words (EngineDead) may still be on their way: they say more.
+                self._read_outputs_before_ready(LAST_WORDS_WAIT_S)
                 raise EngineDeadError(f"{reason} during start-up")
             if not self.launch_core and not self._core_connected:
                 self._check_no_core_wait(loop.time() - start)
         raise TimeoutError(f"engine core at {self.address} was not ready within {timeout_s} s")
 
-    def _read_outputs_before_ready(self) -> None:
-        """Raises EngineDeadError on the core's `EngineDead`. Outputs before `EngineReady` were
-        meant for an earlier client of the same core: they are dropped."""
-        while self._pull.poll(0):
+    def _read_outputs_before_ready(self, wait_s: float = 0.0) -> None:
+        """Raises EngineDeadError on the core's `EngineDead` (ConfigError when the engine cannot
+        start with its settings). Outputs before `EngineReady` were meant for an earlier client
+        of the same core: they are dropped. Waits up to `wait_s` for the first frame."""
+        while self._pull.poll(wait_s * 1000):
+            wait_s = 0.0
             try:
                 message = self._output_decoder.decode(self._pull.recv_multipart())
             except MessageDecodeError as exc:
                 logger.warning("ignored a malformed frame while waiting for ready: %s", exc)
                 continue
+            if isinstance(message, EngineDead) and message.is_config_error:
+                raise ConfigError(message.reason)
             if isinstance(message, EngineDead):
                 raise EngineDeadError(f"engine core failed to start: {message.reason}")
             logger.debug("dropped %s meant for an earlier client", type(message).__name__)

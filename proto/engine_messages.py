@@ -220,6 +220,9 @@ class UtilityResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 
 class EngineDead(msgspec.Struct, array_like=True, gc=False):
-    """Sent by a dying core (e.g. a worker died) so clients fail fast instead of timing out."""
+    """Sent by a dying core (e.g. a worker died) so clients fail fast instead of timing out.
+    `is_config_error`: the engine could not start with its settings (`common.config_error`);
+    `reason` names the setting."""
 
     reason: str
+    is_config_error: bool = False

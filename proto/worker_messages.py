@@ -153,8 +153,12 @@ class Shutdown(msgspec.Struct, array_like=True, gc=False):
 
 
 class WorkerError(msgspec.Struct, array_like=True, gc=False):
+    """A worker failed; `is_config_error`: with a `common.config_error.ConfigError`, whose
+    `message` names the setting (no traceback is worth showing)."""
+
     rank: int
     message: str
+    is_config_error: bool = False
 
 
 class WorkerHello(msgspec.Struct, array_like=True, gc=False):

@@ -20,6 +20,7 @@ import msgspec
 import pytest
 import zmq
 
+from common.config_error import ConfigError
 from common.ports import find_free_port_pair
 from core.multiproc_executor import MultiprocExecutor
 from frontend.core_client import AsyncCoreClient, EngineDeadError
@@ -423,7 +424,7 @@ def test_sigterm_of_the_core_exits_cleanly_without_leftovers():
 def test_a_core_that_cannot_start_fails_start_and_leaves_nothing():
     async def scenario():
         client = AsyncCoreClient(EngineConfig(model="null", num_gpu_blocks_override=2))
-        with pytest.raises(EngineDeadError, match="cannot hold one request of max_model_len=4096"):
+        with pytest.raises(ConfigError, match="cannot hold one request of max_model_len=4096"):
             await client.start()
         assert client.core_process.process.poll() is not None
         assert not Path(client.address.removeprefix("ipc://")).parent.exists()

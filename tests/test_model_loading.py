@@ -332,7 +332,7 @@ def test_qkv_layer_replicates_kv_heads_when_ranks_outnumber_them():
         assert torch.equal(q_rows, q[rank * 4 : rank * 4 + 4])
         assert torch.equal(k_rows, k[kv_head * 2 : kv_head * 2 + 2])
         assert torch.equal(v_rows, v[kv_head * 2 : kv_head * 2 + 2])
-    with pytest.raises(ValueError, match="num_attention_heads=9 is not divisible by tp_size=2"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's "):
         QKVParallelLinear(hidden, head_dim, 9, 3, tp_size=2)
 
 

@@ -27,7 +27,13 @@ import pytest
 
 from common.ports import find_free_port_pair
 from proto.engine_config import EngineConfig
-from tests.server_process import ServerProcess, descendant_pids, is_alive, wait_until
+from tests.server_process import (
+    STARTUP_TIMEOUT_S,
+    ServerProcess,
+    descendant_pids,
+    is_alive,
+    wait_until,
+)
 from worker.null_worker import NULL_TOKEN_ID
 
 NULL_MAX_MODEL_LEN = 65536
@@ -373,3 +379,32 @@ def test_attaching_to_an_address_where_no_core_answers_fails_in_time(tmp_path):
     with pytest.raises(TimeoutError, match="no engine core connected to ipc://.*/nobody within"):
         EngineClient(config, f"ipc://{tmp_path}/nobody")
     assert time.monotonic() - start < 2.0 + 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # The default SmolLM2 has 9 attention heads: found by the workers.
+        (
+            ["--tensor-parallel-size", "2"],
+            "tensor_parallel_size=2 does not divide the model's num_attention_heads=9; "
+            "choose one of 1, 3, 9",
+        ),
+        # Found by the core, sizing its KV pool.
+        (
+            ["--model", "null", "--num-gpu-blocks-override", "2", "--max-model-len", "4096"],
+            "num_gpu_blocks=2 cannot hold one request of max_model_len=4096 tokens",
+        ),
+    ],
+)
+def test_a_setting_the_engine_cannot_run_with_is_one_line_and_exit_code_2(args, message, tmp_path):
+    server = ServerProcess(args, tmp_path / "log")
+    try:
+        exit_code = server.process.wait(STARTUP_TIMEOUT_S)
+    finally:
+        server.stop()
+    log = server.log_path.read_text()
+    assert exit_code == 2, log
+    (error_line,) = [line for line in log.splitlines() if " ERROR " in line or "ERROR:" in line]
+    assert "the engine cannot run with these settings: " in error_line and message in error_line
+    assert "Traceback" not in log

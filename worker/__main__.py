@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 
+from common.config_error import ConfigError
 from common.process_watch import exit_when_disconnected, exit_when_orphaned
 from proto import (
     InitKVCache,
@@ -83,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     _export_distributed_env(dist_init_address, args.rank, args.world_size)
     try:
-        return _run(config, args.rank, args.world_size, pipe, args.local_rank)
+        # A local worker's config error is the core's to report; a remote one's log says it too.
+        config_error_level = logging.DEBUG if stop_link_watch is None else logging.ERROR
+        return _run(config, args.rank, args.world_size, pipe, args.local_rank, config_error_level)
     except KeyboardInterrupt:  # Ctrl-C on a worker started by hand
         logger.warning("worker rank %d interrupted", args.rank)
         return 130
@@ -94,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(
-    config: EngineConfig, rank: int, world_size: int, pipe: MessagePipe, local_rank: int | None
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    pipe: MessagePipe,
+    local_rank: int | None,
+    config_error_level: int = logging.DEBUG,
 ) -> int:
     """Loads the worker, says ready and serves until Shutdown (0), a failure or the core's end
-    (1)."""
+    (1). A `ConfigError` is sent as such, and logged in one line at `config_error_level`."""
     encoder = MessageEncoder()
     try:
         start = time.monotonic()
@@ -112,6 +120,11 @@ def _run(
         return 0
     except PeerClosedError as exc:
         logger.warning("worker rank %d exits: the engine core closed the pipe (%s)", rank, exc)
+        return 1
+    except ConfigError as exc:  # the user's to fix: the core reports it, in one line
+        logger.log(config_error_level, "worker rank %d cannot run with its settings: %s", rank, exc)
+        with contextlib.suppress(OSError):
+            pipe.send(encoder.encode(WorkerError(rank, str(exc), is_config_error=True)))
         return 1
     except Exception as exc:
         logger.exception("worker rank %d failed", rank)

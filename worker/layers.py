@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.config_error import ConfigError
 from common.math_utils import cdiv
 from kernels.cpu import fused_ops as cpu_fused_ops
 from kernels.cpu.f32_matmul import F32MatmulWeight
@@ -29,9 +30,14 @@ from worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_al
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
-    """numerator / denominator, or ValueError naming `what` when it does not split evenly."""
+    """numerator / denominator ranks, or ConfigError naming tensor_parallel_size and the
+    model's `what` when it does not split evenly."""
     if numerator % denominator != 0:
-        raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
+        divisors = [d for d in range(1, numerator + 1) if numerator % d == 0]
+        raise ConfigError(
+            f"tensor_parallel_size={denominator} does not divide the model's {what}={numerator}; "
+            f"choose one of {', '.join(map(str, divisors))}"
+        )
     return numerator // denominator
 
 
@@ -357,9 +363,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
         if tp_size >= num_kv_heads:
             if tp_size % num_kv_heads != 0:
-                raise ValueError(
-                    f"tp_size={tp_size} exceeds num_key_value_heads={num_kv_heads} and is not "
-                    "a multiple of it, so KV heads cannot be replicated evenly"
+                raise ConfigError(
+                    f"tensor_parallel_size={tp_size} exceeds the model's num_key_value_heads="
+                    f"{num_kv_heads} and is not a multiple of it, so KV heads cannot be "
+                    "replicated evenly"
                 )
             self.num_kv_heads = 1
             self.kv_head_offset = tp_rank * num_kv_heads // tp_size

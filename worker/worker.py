@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from common.config_error import ConfigError
 from common.dtypes import DTYPE_NAMES, torch_dtype
 from common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
 from common.math_utils import cdiv
@@ -299,7 +300,7 @@ class Worker:
         if requested is None:
             return model_max
         if requested > model_max:
-            raise ValueError(
+            raise ConfigError(
                 f"max_model_len={requested} exceeds the model's context length "
                 f"(max_position_embeddings={model_max}); pass max_model_len <= {model_max}"
             )
@@ -331,7 +332,7 @@ def resolve_device(device: str, rank: int = 0) -> torch.device:
     num_gpus = torch.cuda.device_count()
     if rank >= num_gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        raise ValueError(
+        raise ConfigError(
             f"this worker needs GPU {rank} of its host (one GPU per rank: data_parallel_rank x "
             f"tensor_parallel_size + rank, or --local-rank for a worker started on another "
             f"host), but torch sees {num_gpus} (CUDA_VISIBLE_DEVICES={visible})"

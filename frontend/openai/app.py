@@ -8,7 +8,7 @@ body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid paramet
 is not JSON included, and text UTF-8 cannot encode anywhere in a body, named by its JSON path
 such as `stop[0]`), 401 for a bad API key, 404 for an unknown model or route, 405 for a wrong
 method, 413 for a body over `--max-request-body-bytes`, 500 for a bug or a request the engine
-failed (a worker died), 503 once the engine is dead or the server is shutting down. A stream that
+failed, 503 once the engine is dead or the server is shutting down. A stream that
 fails the same way ends with such an error event before `data: [DONE]`.
 A streaming client that disconnects has its requests aborted, which frees their KV blocks.
 `priority` (both endpoints) orders requests under `--policy priority` (lower first); any value
@@ -25,6 +25,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as distribution_version
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from common.config_error import ConfigError
 from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError
 from frontend.core_client import EngineCoreNotFoundError, EngineDeadError
 from frontend.data_parallel_client import sum_stats
@@ -68,8 +70,9 @@ def build_app(
 
     `app.state.engine` is the `AsyncEngineClient` once it is ready. Setting the event
     `app.state.stop_requested` during start-up abandons it (the core is stopped, and
-    `app.state.engine` stays None) instead of waiting for the model to load. When no core
-    connects to `address`, `app.state.start_failure` says so and the engine stays None.
+    `app.state.engine` stays None) instead of waiting for the model to load. When the engine
+    cannot start (a setting it cannot run with, no core connecting to `address`, a core that
+    died starting), `app.state.start_failure` says why and the engine stays None.
     """
 
     @contextlib.asynccontextmanager
@@ -77,9 +80,13 @@ def build_app(
         engine = AsyncEngineClient(engine_config, address, model_name=settings.served_model_name)
         try:
             started = await _start_unless_stopped(engine, app.state.stop_requested)
-        except EngineCoreNotFoundError as exc:  # its message says what to do: no traceback
+        except ConfigError as exc:  # the message names the setting: no traceback
             await engine.shutdown()
-            app.state.start_failure = str(exc)
+            app.state.start_failure = StartFailure(str(exc), is_config_error=True)
+            started = False
+        except (EngineCoreNotFoundError, EngineDeadError) as exc:  # the core's log has the rest
+            await engine.shutdown()
+            app.state.start_failure = StartFailure(str(exc), is_config_error=False)
             started = False
         except BaseException:
             await engine.shutdown()
@@ -103,7 +110,7 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_request_body_bytes)
     app.state.settings = settings
     app.state.engine = None
-    app.state.start_failure = None  # why an attached engine never started (see lifespan)
+    app.state.start_failure = None  # a StartFailure when the engine never started
     app.state.stop_requested = asyncio.Event()
     add_error_handlers(app)
     _add_info_routes(app, settings)
@@ -111,6 +118,16 @@ def build_app(
     _add_generation_routes(app, settings)
     add_web_ui_routes(app, settings, _api_key_checker(settings.api_key))
     return app
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailure:
+    """Why the engine never started, in one line: a setting it cannot run with
+    (`is_config_error`, the message names it), no core at the attach address, or a core that
+    died starting (its own log has the traceback)."""
+
+    message: str
+    is_config_error: bool
 
 
 async def _start_unless_stopped(engine: AsyncEngineClient, stop_requested: asyncio.Event) -> bool:

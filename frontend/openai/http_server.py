@@ -9,8 +9,13 @@
 - Engine death: every in-flight request has already failed with the reason; the server stops the
   same way and `serve` returns 1, so that a supervisor (systemd, Kubernetes) restarts it. With
   `keep_alive_on_engine_death` it stays up answering 503 instead (the dead core is reaped).
-- Attached (`address`) with no engine core connecting there in time: one error line saying so,
-  no traceback, and `serve` returns 3 (as a failed start-up).
+- Start-up that fails says why in one error line, without a traceback (a worker's or the core's
+  own failure is in their log lines above it): `serve` returns 2 for a setting the engine cannot
+  run with (as argparse does for a bad flag: the line names the setting and its value), 3 for
+  anything else (no engine core connecting to `address` in time, a core that died starting).
+
+Exit codes of core-serve: 0 stopped by a signal, 1 the engine died while serving (or the port is
+taken), 2 a bad flag or a setting the model or machine cannot run with, 3 start-up failed.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ SHUTTING_DOWN = "server is shutting down"
 # those error responses to be written, then it cancels what is left.
 CLOSE_AFTER_DRAIN_S = 5.0
 EXIT_ENGINE_DEAD = 1
+EXIT_CONFIG_ERROR = 2  # as argparse's usage errors
 EXIT_START_FAILED = 3  # as uvicorn's own failed start-up
 
 
@@ -53,7 +59,7 @@ def serve(
 ) -> int:
     """Serves until stopped (see the module docstring); returns the process exit code.
 
-    Raises PortInUseError before any engine starts; a failed start-up is uvicorn's SystemExit(3).
+    Raises PortInUseError before any engine starts.
     """
     sock = bind_port(host, port)
     bound_port = sock.getsockname()[1]
@@ -70,8 +76,8 @@ def serve(
     # uvicorn logs no address for a socket it is given: say where the server will be.
     logger.info("listening on %s; serving once the engine is ready", server_url(host, bound_port))
     server.run(sockets=[sock])
-    if app.state.start_failure is not None:
-        return EXIT_START_FAILED
+    if (failure := app.state.start_failure) is not None:
+        return EXIT_CONFIG_ERROR if failure.is_config_error else EXIT_START_FAILED
     return EXIT_ENGINE_DEAD if server.engine_death_reason is not None else 0
 
 
@@ -130,8 +136,9 @@ class EngineServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.app.state.start_failure is not None:  # no core to attach to: said plainly
-            logger.error("%s; exiting", self.app.state.start_failure)
+        if (failure := self.app.state.start_failure) is not None:  # said plainly, in one line
+            what = "cannot run with these settings" if failure.is_config_error else "cannot start"
+            logger.error("the engine %s: %s; exiting", what, failure.message)
             self.should_exit = True
         if self.engine is not None:
             self._death_watch = asyncio.create_task(self._exit_on_engine_death(self.engine))
