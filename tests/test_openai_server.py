@@ -374,6 +374,32 @@ def test_every_error_has_the_openai_shape(server):
     assert "must be JSON" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        (
+            b'{"model": "x",\n "messages": [',
+            "the request body is not valid JSON: Expecting value at line 2 column 15 (char 29)",
+            None,
+        ),
+        (b"", "the request body is empty; send a JSON object", None),
+        (b"[1, 2]", "the request body must be a JSON object, got an array", None),
+        (b"null", "the request body must be a JSON object, got null", None),
+        (b"{}", "messages: Field required", "messages"),
+        (b'{"messages": 5}', "messages: Input should be a valid list", "messages"),
+    ],
+)
+def test_a_body_that_is_not_a_json_object_says_so_and_a_field_error_names_the_field(
+    server, body, message, param
+):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    url = f"{server.base_url}/v1/chat/completions"
+    response = httpx.post(url, content=body, headers=headers)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["message"], error["param"]) == (message, param)
+
+
 def test_a_body_over_the_limit_is_413_before_it_is_read(server):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     body = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 10), "max_tokens": 1}).encode()

@@ -31,6 +31,15 @@ HTTP_ERROR_TYPES = {
     404: "not_found_error",
     413: "invalid_request_error",
 }
+# What a request body that is JSON but not an object is, by the type it decodes to.
+JSON_KINDS = {
+    "list": "an array",
+    "str": "a string",
+    "int": "a number",
+    "float": "a number",
+    "bool": "a boolean",
+    "NoneType": "null",
+}
 UNENCODABLE_ERROR_BODY = {
     "error": {
         "message": "the error's message could not be encoded (the server's log has it)",
@@ -95,7 +104,10 @@ def add_error_handlers(app: FastAPI) -> None:
                 f"Content-Type {content_type!r}"
             )
             return _error_json(APIError(400, message))
-        return _error_json(_validation_error(exc.errors()))
+        errors = exc.errors()
+        if (body_error := _body_error(errors[0], await request.body())) is not None:
+            return _error_json(body_error)
+        return _error_json(_validation_error(errors))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -108,6 +120,28 @@ def add_error_handlers(app: FastAPI) -> None:
         """A bug: answered in OpenAI's error body (and logged with its traceback)."""
         logger.exception("internal error while serving a request")
         return _error_json(APIError(500, f"internal server error: {exc}", "internal_error"))
+
+
+def _body_error(first: dict[str, Any], body: bytes) -> APIError | None:
+    """400 for a body that is not a JSON object at all: not JSON (with the position, as line and
+    column), empty, or another JSON value; None when the error is a field's."""
+    location = first.get("loc", ())
+    if first.get("type") == "json_invalid":
+        position = next((part for part in location if isinstance(part, int)), 0)
+        line = body.count(b"\n", 0, position) + 1
+        column = position - (body.rfind(b"\n", 0, position) + 1) + 1
+        reason = first.get("ctx", {}).get("error", "invalid JSON")
+        return APIError(
+            400,
+            f"the request body is not valid JSON: {reason} at line {line} column {column} "
+            f"(char {position})",
+        )
+    if tuple(location) != ("body",):
+        return None
+    if not body.strip():
+        return APIError(400, "the request body is empty; send a JSON object")
+    kind = JSON_KINDS.get(type(first.get("input")).__name__, "another JSON value")
+    return APIError(400, f"the request body must be a JSON object, got {kind}")
 
 
 def _validation_error(errors: Sequence[Any]) -> APIError:
