@@ -118,6 +118,8 @@ class EngineCoreProc:
             self.ready = self._start_engine()
             elapsed_s = time.monotonic() - start
             logger.info(describe_ready(self.ready, elapsed_s, self.engine_core.scheduler))
+            if self.config.speculative_config is not None:
+                logger.info(self.config.speculative_config.describe())
             self._run_busy_loop()
         except ShutdownRequested as exc:
             logger.info("engine core shutting down on %s", exc)

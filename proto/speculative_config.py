@@ -120,6 +120,22 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             low = min(high, 2)
         return low, high
 
+    def describe(self) -> str:
+        """The start-up log line: the method, K, and when drafting stops."""
+        k = self.num_lookahead_tokens
+        if self.method == "ngram":
+            low, high = self.ngram_window
+            how = f"ngram (prompt lookup of {low}-{high} tokens), up to K={k} draft tokens"
+        else:
+            how = (
+                f"suffix, up to K={k} draft tokens (tree depth "
+                f"{self.suffix_decoding_max_tree_depth}, {self.suffix_decoding_max_spec_factor:g}x "
+                f"the match, token probability >= {self.suffix_decoding_min_token_prob:g})"
+            )
+        limit = self.disable_by_batch_size
+        when = "in every step" if limit is None else f"in steps of fewer than {limit} requests"
+        return f"speculative decoding: {how} per request, {when}"
+
     @classmethod
     def parse(
         cls, value: SpeculativeConfig | dict[str, Any] | str | None

@@ -4,6 +4,8 @@ the greedy tokens of an engine that recomputes it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from common.block_hash import PREFIX_HASH_SEED_ENV
@@ -40,12 +42,16 @@ def test_an_evicted_prefix_is_served_from_the_host_tier_with_the_same_greedy_tok
     assert loaded.results[0].token_ids == computed.results[0].token_ids
 
 
-def test_the_disk_tier_serves_a_prefix_after_the_engine_restarts(tmp_path, monkeypatch):
+def test_the_disk_tier_serves_a_prefix_after_the_engine_restarts(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv(PREFIX_HASH_SEED_ENV, "0123456789abcdef0123456789abcdef")
     config = EngineConfig(**POOL, kv_offloading_size=0.1, kv_offloading_path=str(tmp_path))
     with EngineClient(config) as client:
         (cold,) = client.generate(PROMPT, GREEDY, stream=False)
         assert client.get_stats().external_prefix_cache_hits == 0
+    # The engine core's start-up line (its log goes to the inherited stderr) gives both tiers.
+    start_up = capfd.readouterr().err
+    assert "KV offloading (OffloadingConnector): host tier 0.10 GiB = " in start_up
+    assert re.search(r"disk tier [\d.]+ GiB = \d+ blocks of 16 tokens", start_up), start_up
     # 100 prompt tokens and 7 computed generated ones fill 6 blocks, each written once.
     assert len(list(tmp_path.rglob("*.kv"))) == 6
     with EngineClient(config) as client:

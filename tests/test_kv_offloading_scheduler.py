@@ -12,7 +12,7 @@ from core.kv_connector.tier_index import TierIndex
 from core.request import RequestStatus
 from proto.engine_config import EngineConfig
 from proto.kv_transfer import BlockLoad, BlockStore
-from tests.core_factories import fake_model_output, make_request
+from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request
 from tests.kv_offloading_fakes import BYTES_PER_BLOCK, FakeTiers, make_offloading_scheduler, step
 
 PROMPT_A = list(range(100, 113))  # 13 tokens: 3 full blocks of 4 and one token
@@ -250,3 +250,12 @@ def test_a_hybrid_model_is_refused_with_the_flag_that_fixes_it():
     hybrid = KVCacheConfig.for_layers([4, None], 4, 32, hybrid=True)
     with pytest.raises(ValueError, match="--disable-hybrid-kv-cache"):
         make_kv_connector(config, [], hybrid)
+
+
+def test_the_start_up_line_gives_each_tier_in_bytes_and_blocks():
+    scheduler = make_offloading_scheduler(num_host_blocks=2**20, num_disk_blocks=3 * 2**20)
+    assert scheduler.connector.describe() == (
+        f"KV offloading (OffloadingConnector): host tier {2**20 * BYTES_PER_BLOCK / 2**30:.2f} "
+        f"GiB = 1048576 blocks, disk tier {3 * 2**20 * BYTES_PER_BLOCK / 2**30:.2f} GiB = "
+        f"3145728 blocks of {BLOCK_SIZE} tokens, for prefix hits beyond the KV cache"
+    )

@@ -367,11 +367,15 @@ def test_chunked_prefill_can_be_switched_off_as_in_vllm():
         assert output[0].outputs[0].text == "**"
 
 
-def test_speculative_config_reaches_the_scheduler_and_never_overshoots_max_tokens():
+def test_speculative_config_reaches_the_scheduler_and_never_overshoots_max_tokens(capfd):
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     with LLM(model="null", max_model_len=256, speculative_config=config) as llm:
         (output,) = llm.generate("**", SamplingParams(max_tokens=9, temperature=0.0))
         stats = llm._client.get_stats()
+    # The engine core says so at start-up (its log goes to the inherited stderr).
+    assert "speculative decoding: ngram (prompt lookup of 1-5 tokens), up to K=3" in (
+        capfd.readouterr().err
+    )
     assert output.outputs[0].text == NULL_TOKEN_TEXT * 9
     assert stats.spec_decode_num_drafts > 0  # the prompt and the output repeat one token
     assert len(stats.spec_decode_num_accepted_tokens_per_pos) == 3

@@ -85,3 +85,22 @@ def test_drafting_stops_at_32_running_requests_by_default_and_never_with_null():
         {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
     )
     assert never.disable_by_batch_size is None
+
+
+@pytest.mark.parametrize(
+    ("value", "line"),
+    [
+        (
+            {"method": "ngram", "num_speculative_tokens": 3},
+            "speculative decoding: ngram (prompt lookup of 2-5 tokens), up to K=3 draft tokens "
+            "per request, in steps of fewer than 32 requests",
+        ),
+        (
+            {"method": "suffix", "disable_by_batch_size": None},
+            "speculative decoding: suffix, up to K=24 draft tokens (tree depth 24, 1x the match, "
+            "token probability >= 0.1) per request, in every step",
+        ),
+    ],
+)
+def test_the_start_up_line_names_the_method_and_k(value, line):
+    assert SpeculativeConfig.parse(value).describe() == line

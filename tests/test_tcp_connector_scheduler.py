@@ -9,6 +9,7 @@ from common.block_hash import transfer_block_hashes
 from core.kv_connector.tcp_connector import TcpConnector
 from core.request import RequestStatus
 from proto.kv_transfer import (
+    KV_ROLES,
     KVConnectorHandshake,
     KVConnectorOutput,
     KVTransferConfig,
@@ -196,3 +197,15 @@ def test_a_request_aborted_while_pulling_frees_its_blocks_and_is_named_to_the_wo
     assert "d" in after.finished_req_ids  # the worker drops its pull before copying
     assert after.kv_connector_metadata.pulls == []  # the pull in flight releases the producer
     assert not scheduler.has_unfinished_requests()
+
+
+def test_the_start_up_line_names_the_roles_and_the_block_server():
+    lines = {role: tcp_scheduler(role).connector.describe() for role in KV_ROLES}
+    assert lines["kv_producer"] == (
+        f"KV transfer (TcpConnector): serves KV on 127.0.0.1:5555, blocks of {BLOCK_SIZE} tokens"
+    )
+    assert lines["kv_consumer"] == (
+        f"KV transfer (TcpConnector): pulls prefills' KV from producers, blocks of {BLOCK_SIZE} "
+        "tokens"
+    )
+    assert "serves KV on 127.0.0.1:5555 and pulls prefills' KV" in lines["kv_both"]

@@ -32,6 +32,10 @@ from proto.kv_transfer_params import KVTransferParams
 class KVConnectorBase(Protocol):
     """The scheduler's view of a connector; lives in the engine core process (no torch)."""
 
+    def describe(self) -> str:
+        """One start-up log line: what the connector is, its tiers or roles, their sizes."""
+        ...
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:

@@ -7,6 +7,7 @@ import logging
 import os
 
 from common.block_hash import PREFIX_HASH_SEED_ENV, BlockHash
+from common.config_error import ConfigError
 from core.kv_cache_spec import KVCacheConfig
 from core.kv_connector.offloading_connector import OffloadingConnector
 from core.kv_connector.tcp_connector import TcpConnector
@@ -21,13 +22,13 @@ logger = logging.getLogger(__name__)
 def make_kv_connector(
     config: EngineConfig, readies: list[WorkerReady], kv_cache_config: KVCacheConfig
 ) -> OffloadingConnector | TcpConnector | None:
-    """None without `kv_transfer_config`. ValueError for a model with several KV cache groups
+    """None without `kv_transfer_config`. ConfigError for a model with several KV cache groups
     (sliding-window layers): the tiers hold one full-attention block per hash, so a hybrid
     model runs the connector only with `disable_hybrid_kv_cache` (one group of every layer)."""
     if config.kv_transfer_config is None:
         return None
     if kv_cache_config.num_groups > 1:
-        raise ValueError(
+        raise ConfigError(
             f"kv_transfer_config: {config.kv_transfer_config.kv_connector} serves models whose "
             f"layers share one KV cache group, but this model has {kv_cache_config.num_groups} "
             "(sliding-window and full-attention layers); pass --disable-hybrid-kv-cache to give "
@@ -35,7 +36,16 @@ def make_kv_connector(
         )
     handshakes = [_handshake(ready) for ready in readies]
     if config.kv_transfer_config.kv_connector == TCP_CONNECTOR:
-        return TcpConnector(config.kv_transfer_config, config.block_size, handshakes[0])
+        connector = TcpConnector(config.kv_transfer_config, config.block_size, handshakes[0])
+    else:
+        connector = _offloading_connector(config, handshakes)
+    logger.info(connector.describe())
+    return connector
+
+
+def _offloading_connector(
+    config: EngineConfig, handshakes: list[KVConnectorHandshake]
+) -> OffloadingConnector:
     bytes_per_block = sum(h.bytes_per_block for h in handshakes)
     host = TierIndex(_num_blocks("kv_offloading_size", config.kv_offloading_size, handshakes))
     disk = None
@@ -56,11 +66,11 @@ def _handshake(ready: WorkerReady) -> KVConnectorHandshake:
 def _num_blocks(
     name: str, size_gib: float, handshakes: list[KVConnectorHandshake], disk: bool = False
 ) -> int:
-    """The blocks every rank's tier holds; ValueError when that is none."""
+    """The blocks every rank's tier holds; ConfigError when that is none."""
     num_blocks = min(h.num_disk_blocks if disk else h.num_host_blocks for h in handshakes)
     if num_blocks < 1:
         bytes_per_block = sum(h.bytes_per_block for h in handshakes)
-        raise ValueError(
+        raise ConfigError(
             f"{name}={size_gib} GiB holds no KV block: one block takes {bytes_per_block} bytes "
             f"over the {len(handshakes)} rank(s); give it at least {bytes_per_block / 2**30:.6f}"
         )

@@ -78,6 +78,21 @@ class OffloadingConnector:
         self._loads: list[RequestLoad] = []
         self._disk_deletes: dict[BlockHash, None] = {}  # an ordered set
 
+    def describe(self) -> str:
+        """The start-up log line: each tier's size in bytes and blocks."""
+
+        def tier(name: str, index: TierIndex) -> str:
+            num_bytes = index.capacity * self.bytes_per_block
+            return f"{name} tier {num_bytes / 2**30:.2f} GiB = {index.capacity} blocks"
+
+        tiers = [tier("host", self.host)]
+        if self.disk is not None:
+            tiers.append(tier("disk", self.disk))
+        return (
+            f"KV offloading (OffloadingConnector): {', '.join(tiers)} of {self.block_size} "
+            "tokens, for prefix hits beyond the KV cache"
+        )
+
     # ---- lookup and loads ------------------------------------------------------------------
 
     def _holds(self, block_hash: BlockHash) -> bool:

@@ -74,6 +74,23 @@ class TcpConnector:
         self._used: set[str] = set()  # consumer requests whose remote params were used
         self._num_matching_blocks: dict[str, int] = {}
 
+    def describe(self) -> str:
+        """The start-up log line: the roles it plays and where its block server listens."""
+        roles = [
+            role
+            for role, plays in (
+                (
+                    f"serves KV on {self.handshake.transfer_host}:{self.handshake.transfer_port}",
+                    self.is_producer,
+                ),
+                ("pulls prefills' KV from producers", self.is_consumer),
+            )
+            if plays
+        ]
+        return (
+            f"KV transfer (TcpConnector): {' and '.join(roles)}, blocks of {self.block_size} tokens"
+        )
+
     # ---- consumer: lookups and pulls -------------------------------------------------------
 
     def _remote_prefill(self, request: Request) -> KVTransferParams | None:
