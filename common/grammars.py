@@ -12,7 +12,10 @@ import json
 import re
 from typing import Any
 
-INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'core-engine[structured]'"
+INSTALL_HINT = (
+    "structured outputs need the xgrammar package: pip install 'core-engine[structured]', then "
+    "restart the server (a running engine does not load a package installed after it started)"
+)
 # JSON without free whitespace: a model cannot wander off into endless newlines, and the output is
 # still valid JSON for any parser.
 ANY_WHITESPACE = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from common.model_files import resolve_model_path
 from core.engine_core import EngineCore
 from core.in_process_engine import run_requests
 from core.request import Request, RequestStatus
-from frontend.structured_outputs import check_structured_outputs
+from frontend.structured_outputs import _problem, check_structured_outputs
 from frontend.text.tokenizer import load_tokenizer
 from proto import EngineCoreOutput, FinishReason, SamplingParams
 from proto.engine_config import EngineConfig
@@ -63,6 +64,22 @@ def test_exactly_one_constraint_per_request():
 def test_invalid_constraints_are_refused_with_the_reason(constraint, message):
     with pytest.raises(ValueError, match=message):
         check_structured_outputs(constraint)
+
+
+def test_without_xgrammar_the_error_says_to_install_it_and_restart(monkeypatch):
+    """A running server does not pick up a package installed after it started: say so."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    _problem.cache_clear()
+    try:
+        with pytest.raises(ValueError) as error:
+            check_structured_outputs(StructuredOutputs(regex="[xyz]+ no xgrammar"))
+    finally:
+        _problem.cache_clear()  # the next test imports the real one
+    assert str(error.value) == (
+        "structured outputs need the xgrammar package: pip install 'core-engine[structured]', "
+        "then restart the server (a running engine does not load a package installed after it "
+        "started)"
+    )
 
 
 def test_a_choice_accepts_any_characters_literally():
