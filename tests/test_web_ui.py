@@ -37,6 +37,9 @@ API_KEY = "web-ui-key"
 # 2048 blocks of 16 tokens: one cell per block, and a null request runs for many seconds.
 NULL_ARGS = ["--model", "null", "--max-model-len", "32000", "--num-gpu-blocks-override", "2048"]
 FREE, CACHED, IN_USE, SHARED, RESERVED = "01234"
+# A generous bound on what the page shows next: a loaded machine stretches its polls, never
+# past this.
+PAGE_EVENT_TIMEOUT_MS = 90_000
 
 
 def serve(args: list[str], log_dir: Path) -> Iterator[ServerProcess]:
@@ -145,41 +148,49 @@ def test_the_block_grid_changes_while_a_long_request_runs(null_server, browser):
     assert IN_USE not in idle_cells
     stop = threading.Event()
 
-    def long_request() -> None:
+    def long_requests() -> None:
+        """One long request after another until `stop`: however fast the null model runs on
+        this machine, a request is running whenever the page looks."""
         body = {"model": "null", "prompt": "x", "max_tokens": 30_000, "stream": True}
-        with httpx.stream(
-            "POST", f"{null_server.base_url}/v1/completions", json=body, timeout=60
-        ) as response:
-            for _ in response.iter_lines():
-                if stop.is_set():
-                    return  # leaving aborts the request, which frees its blocks
+        while not stop.is_set():
+            with httpx.stream(
+                "POST", f"{null_server.base_url}/v1/completions", json=body, timeout=60
+            ) as response:
+                for _ in response.iter_lines():
+                    if stop.is_set():
+                        return  # leaving aborts the request, which frees its blocks
 
-    client = threading.Thread(target=long_request)
+    client = threading.Thread(target=long_requests)
     client.start()
     try:
         page.wait_for_function(
             "document.querySelector('#block-grids canvas').dataset.cells.includes('2')",
-            timeout=20_000,
+            timeout=PAGE_EVENT_TIMEOUT_MS,
         )
         busy_cells = grid_cells(page)
-        assert busy_cells.count(IN_USE) >= 2  # the cells grow as tokens are generated
+        assert busy_cells.count(IN_USE) >= 1
+        # The cells grow as tokens are generated (a request is never short of that growth).
         page.wait_for_function(
             f"document.querySelector('#block-grids canvas').dataset.cells.split('2').length - 1"
             f" > {busy_cells.count(IN_USE)}",
-            timeout=20_000,
+            timeout=PAGE_EVENT_TIMEOUT_MS,
         )
         assert page.eval_on_selector("#block-grids canvas", "c => c.toDataURL()") != idle_pixels
-        assert page.text_content("#stat-running") == "1"
         page.wait_for_function(
-            "Number(document.getElementById('stat-gen-rate').textContent) > 0", timeout=10_000
+            "document.getElementById('stat-running').textContent === '1'",
+            timeout=PAGE_EVENT_TIMEOUT_MS,
+        )
+        page.wait_for_function(
+            "Number(document.getElementById('stat-gen-rate').textContent) > 0",
+            timeout=PAGE_EVENT_TIMEOUT_MS,
         )
         screenshot(page.locator("#engine"), "web_ui_engine.png")
     finally:
         stop.set()
-        client.join(30)
+        client.join(60)
     page.wait_for_function(
         "!document.querySelector('#block-grids canvas').dataset.cells.includes('2')",
-        timeout=20_000,
+        timeout=PAGE_EVENT_TIMEOUT_MS,
     )
     assert page.errors == []
     page.close()
