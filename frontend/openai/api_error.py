@@ -31,6 +31,9 @@ HTTP_ERROR_TYPES = {
     404: "not_found_error",
     413: "invalid_request_error",
 }
+# Pydantic's error types for a body that is no object at all: missing (FastAPI's error for an
+# empty body) or another JSON value.
+NOT_AN_OBJECT_ERROR_TYPES = frozenset({"missing", "model_type", "model_attributes_type"})
 # What a request body that is JSON but not an object is, by the type it decodes to.
 JSON_KINDS = {
     "list": "an array",
@@ -136,7 +139,7 @@ def _body_error(first: dict[str, Any], body: bytes) -> APIError | None:
             f"the request body is not valid JSON: {reason} at line {line} column {column} "
             f"(char {position})",
         )
-    if tuple(location) != ("body",):
+    if tuple(location) != ("body",) or first.get("type") not in NOT_AN_OBJECT_ERROR_TYPES:
         return None
     if not body.strip():
         return APIError(400, "the request body is empty; send a JSON object")
