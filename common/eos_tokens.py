@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.gguf_file import GGUFFile
-from common.json_file import read_json
-from common.model_files import (
+from core_engine.common.gguf_file import GGUFFile
+from core_engine.common.json_file import read_json
+from core_engine.common.model_files import (
     GENERATION_CONFIG_FILE_NAME,
     HF_CONFIG_FILE_NAME,
     TOKENIZER_CONFIG_FILE_NAME,

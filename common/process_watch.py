@@ -93,7 +93,7 @@ def describe_exit(returncode: int) -> str:
 
 def python_module_command(module: str) -> list[str]:
     """The command that runs `python -m module` in a child process with a safe import path
-    (`-P`, Python 3.11+): the current folder is not put first on sys.path, so a user's own
-    `core/` or `worker/` folder there never shadows the engine's packages."""
+    (`-P`, Python 3.11+): the current folder is not put first on sys.path, so nothing in it
+    (a `core_engine/` folder of the user's) shadows the engine's packages."""
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     return [sys.executable, *safe_path, "-m", module]

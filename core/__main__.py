@@ -15,10 +15,10 @@ import logging
 import os
 import sys
 
-from common.process_watch import exit_when_orphaned
-from core.engine_core_proc import EngineCoreProc
-from proto.endpoints import frontend_endpoints, remove_dead_frontend_sockets
-from proto.engine_config import EngineConfig
+from core_engine.common.process_watch import exit_when_orphaned
+from core_engine.core.engine_core_proc import EngineCoreProc
+from core_engine.proto.endpoints import frontend_endpoints, remove_dead_frontend_sockets
+from core_engine.proto.engine_config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,13 +11,13 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from core.kv_block_map import build_kv_block_map
-from core.kv_cache_spec import KVCacheConfig
-from core.kv_connector.kv_connector_factory import make_kv_connector
-from core.request import Request, RequestStatus
-from core.scheduler import Scheduler
-from core.scheduler_config import SchedulerConfig
-from proto import (
+from core_engine.core.kv_cache.kv_block_map import build_kv_block_map
+from core_engine.core.kv_cache.kv_cache_spec import KVCacheConfig
+from core_engine.core.kv_connector.kv_connector_factory import make_kv_connector
+from core_engine.core.request import Request, RequestStatus
+from core_engine.core.sched.scheduler import Scheduler
+from core_engine.core.sched.scheduler_config import SchedulerConfig
+from core_engine.proto import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -29,8 +29,8 @@ from proto import (
     SchedulerStats,
     WorkerReady,
 )
-from proto.engine_config import EngineConfig
-from proto.engine_messages import MAX_KV_BLOCK_MAP_CELLS
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.engine_messages import MAX_KV_BLOCK_MAP_CELLS
 
 
 class ModelExecutor(Protocol):

@@ -30,10 +30,9 @@ import time
 
 import msgspec
 import zmq
-
-from common.config_error import ConfigError
-from core.client_watch import ClientEvent, ClientWatch
-from core.engine_core import (
+from core_engine.common.config_error import ConfigError
+from core_engine.core.client_watch import ClientEvent, ClientWatch
+from core_engine.core.engine_core import (
     EngineCore,
     Executor,
     make_error_output,
@@ -41,13 +40,13 @@ from core.engine_core import (
     make_request,
     start_engine_core,
 )
-from core.executor_factory import make_executor
-from core.kv_cache_events import KVCacheEventLog
-from core.multiproc_executor import WorkerFailedError
-from core.request import Request
-from core.scheduler import Scheduler
-from core.step_trace import StepTrace
-from proto import (
+from core_engine.core.executor.executor_factory import make_executor
+from core_engine.core.executor.multiproc_executor import WorkerFailedError
+from core_engine.core.kv_cache.kv_cache_events import KVCacheEventLog
+from core_engine.core.request import Request
+from core_engine.core.sched.scheduler import Scheduler
+from core_engine.core.step_trace import StepTrace
+from core_engine.proto import (
     AbortRequests,
     EngineCoreRequest,
     EngineDead,
@@ -60,9 +59,9 @@ from proto import (
     UtilityRequest,
     UtilityResponse,
 )
-from proto.codec import TYPE_TO_CODE
-from proto.endpoints import frontend_endpoints
-from proto.engine_config import EngineConfig
+from core_engine.proto.codec import TYPE_TO_CODE
+from core_engine.proto.endpoints import frontend_endpoints
+from core_engine.proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

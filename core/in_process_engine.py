@@ -15,19 +15,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
-
-from core.engine_core import (
+from core_engine.core.engine_core import (
     EngineCore,
     Executor,
     ModelExecutor,
     check_prompt_token_ids,
     start_engine_core,
 )
-from core.request import Request
-from core.scheduler import Scheduler
-from proto import SamplingParams, SchedulerStats, TokenLogprobs
-from proto.engine_config import EngineConfig
-from proto.sampling_params import stop_on_eos
+from core_engine.core.request import Request
+from core_engine.core.sched.scheduler import Scheduler
+from core_engine.proto import SamplingParams, SchedulerStats, TokenLogprobs
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.sampling_params import stop_on_eos
 
 
 @dataclass(slots=True)

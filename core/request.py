@@ -6,8 +6,8 @@ import enum
 import time
 from collections.abc import Iterable
 
-from common.block_hash import BlockHash, block_extra_keys, hash_block_tokens
-from proto import FinishReason, SamplingParams, TokenLogprobs
+from core_engine.common.block_hash import BlockHash, block_extra_keys, hash_block_tokens
+from core_engine.proto import FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):

@@ -14,8 +14,7 @@ import os
 from typing import TextIO
 
 import msgspec
-
-from proto import SchedulerOutput
+from core_engine.proto import SchedulerOutput
 
 STEP_TRACE_ENV = "CORE_ENGINE_STEP_TRACE"
 

@@ -1,23 +1,23 @@
 """What users touch: `LLM` (offline), `EngineClient` / `AsyncEngineClient`, the OpenAI server.
 
-from frontend import LLM
-from proto import SamplingParams
+from core_engine.frontend import LLM
+from core_engine.proto import SamplingParams
 
 with LLM() as llm:  # the default SmolLM2-135M-Instruct
     print(llm.generate("Hello", SamplingParams(max_tokens=8))[0].outputs[0].text)
 """
 
-from common.config_error import ConfigError
-from frontend.async_engine_client import (
+from core_engine.common.config_error import ConfigError
+from core_engine.frontend.async_engine_client import (
     AsyncEngineClient,
     InvalidPromptError,
     ServiceStoppedError,
 )
-from frontend.core_client import EngineCoreNotFoundError, EngineDeadError
-from frontend.engine_client import EngineClient
-from frontend.llm import LLM
-from frontend.request_output import CompletionOutput, RequestOutput
-from proto import SamplingParams
+from core_engine.frontend.core_client import EngineCoreNotFoundError, EngineDeadError
+from core_engine.frontend.engine_client import EngineClient
+from core_engine.frontend.llm import LLM
+from core_engine.frontend.request_output import CompletionOutput, RequestOutput
+from core_engine.proto import SamplingParams
 
 __all__ = [
     "LLM",

@@ -15,20 +15,25 @@ from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
 import msgspec
-
-from common.model_files import resolve_model_path
-from frontend.core_client import AsyncCoreClient, EngineDeadError
-from frontend.core_client_protocol import CoreClient
-from frontend.data_parallel_client import DataParallelCoreClient
-from frontend.metrics import EngineMetrics
-from frontend.output_processor import OutputProcessor
-from frontend.request_output import RequestOutput
-from frontend.structured_outputs import check_structured_outputs
-from frontend.text.null_tokenizer import NullTokenizer
-from frontend.text.unicode_text import describe_text_not_utf8
-from proto import EngineCoreOutput, FinishReason, KVBlockMap, SamplingParams, SchedulerStats
-from proto.engine_config import EngineConfig
-from proto.sampling_params import StructuredOutputs
+from core_engine.common.model_files import resolve_model_path
+from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
+from core_engine.frontend.core_client_protocol import CoreClient
+from core_engine.frontend.data_parallel_client import DataParallelCoreClient
+from core_engine.frontend.metrics import EngineMetrics
+from core_engine.frontend.output_processor import OutputProcessor
+from core_engine.frontend.request_output import RequestOutput
+from core_engine.frontend.structured_outputs import check_structured_outputs
+from core_engine.frontend.text.null_tokenizer import NullTokenizer
+from core_engine.frontend.text.unicode_text import describe_text_not_utf8
+from core_engine.proto import (
+    EngineCoreOutput,
+    FinishReason,
+    KVBlockMap,
+    SamplingParams,
+    SchedulerStats,
+)
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ def load_engine_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer of `config.model`: the byte tokenizer for "null", else the model's own."""
     if config.is_null_model:
         return NullTokenizer()
-    from frontend.text.tokenizer import load_tokenizer
+    from core_engine.frontend.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path(config.model))
 

@@ -28,12 +28,10 @@ from collections.abc import Callable, Sequence
 import msgspec
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
-from common.config_error import ConfigError
-from frontend.core_process import CoreLauncher, CoreProcess, LocalCoreLauncher
-from frontend.request_output import RequestOutput
-from proto import (
+from core_engine.common.config_error import ConfigError
+from core_engine.frontend.core_process import CoreLauncher, CoreProcess, LocalCoreLauncher
+from core_engine.frontend.request_output import RequestOutput
+from core_engine.proto import (
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -50,8 +48,9 @@ from proto import (
     UtilityRequest,
     UtilityResponse,
 )
-from proto.endpoints import PRIVATE_IPC_DIR_PREFIX, frontend_endpoints
-from proto.engine_config import EngineConfig
+from core_engine.proto.endpoints import PRIVATE_IPC_DIR_PREFIX, frontend_endpoints
+from core_engine.proto.engine_config import EngineConfig
+from zmq.utils.monitor import parse_monitor_message
 
 logger = logging.getLogger(__name__)
 

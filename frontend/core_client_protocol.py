@@ -10,7 +10,13 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from proto import EngineCoreOutput, EngineCoreRequest, EngineReady, KVBlockMap, SchedulerStats
+from core_engine.proto import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineReady,
+    KVBlockMap,
+    SchedulerStats,
+)
 
 
 class CoreClient(Protocol):

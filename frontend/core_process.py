@@ -11,8 +11,8 @@ from __future__ import annotations
 import subprocess
 from typing import Protocol
 
-from common.process_watch import describe_exit, python_module_command, stop_process
-from proto.engine_config import EngineConfig
+from core_engine.common.process_watch import describe_exit, python_module_command, stop_process
+from core_engine.proto.engine_config import EngineConfig
 
 
 class CoreProcess(Protocol):
@@ -67,5 +67,5 @@ class LocalCoreLauncher:
     def launch(
         self, address: str, config: EngineConfig, env: dict[str, str] | None
     ) -> LocalCoreProcess:
-        argv = [*python_module_command("core"), *core_arguments(address, config)]
+        argv = [*python_module_command("core_engine.core"), *core_arguments(address, config)]
         return LocalCoreProcess(subprocess.Popen(argv, env=env))

@@ -21,11 +21,10 @@ import os
 from dataclasses import dataclass
 
 import msgspec
-
-from common.block_hash import PREFIX_HASH_SEED_ENV, SEED_BYTES
-from frontend.core_client import AsyncCoreClient, EngineDeadError
-from frontend.prefix_router import PrefixAwareRouter
-from proto import (
+from core_engine.common.block_hash import PREFIX_HASH_SEED_ENV, SEED_BYTES
+from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
+from core_engine.frontend.prefix_router import PrefixAwareRouter
+from core_engine.proto import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -33,7 +32,7 @@ from proto import (
     KVBlockMap,
     SchedulerStats,
 )
-from proto.engine_config import EngineConfig
+from core_engine.proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class DataParallelCoreClient:
         self.ray_launcher = None  # data_parallel_backend="ray": made, and the cores, in start()
         self.cores: list[AsyncCoreClient] = []
         if config.data_parallel_backend == "ray":
-            from frontend.ray_core_launcher import RayCoreLauncher
+            from core_engine.frontend.ray_core_launcher import RayCoreLauncher
 
             self.ray_launcher = RayCoreLauncher(config)
         else:

@@ -12,10 +12,10 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-from frontend.async_engine_client import AsyncEngineClient, Prompt
-from frontend.request_output import RequestOutput
-from proto import SamplingParams, SchedulerStats
-from proto.engine_config import EngineConfig
+from core_engine.frontend.async_engine_client import AsyncEngineClient, Prompt
+from core_engine.frontend.request_output import RequestOutput
+from core_engine.proto import SamplingParams, SchedulerStats
+from core_engine.proto.engine_config import EngineConfig
 
 T = TypeVar("T")
 SIGNAL_CHECK_INTERVAL_S = 0.1  # how long a Ctrl-C may wait for the main thread to notice

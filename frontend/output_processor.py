@@ -13,11 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-
-from frontend.request_output import CompletionOutput, RequestOutput
-from frontend.text.detokenizer import Decoder, IncrementalDetokenizer
-from proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams, TokenLogprobs
-from proto.sampling_params import stop_on_eos
+from core_engine.frontend.request_output import CompletionOutput, RequestOutput
+from core_engine.frontend.text.detokenizer import Decoder, IncrementalDetokenizer
+from core_engine.proto import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+)
+from core_engine.proto.sampling_params import stop_on_eos
 
 
 def core_request_ids(request_id: str, n: int) -> list[str]:

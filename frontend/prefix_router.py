@@ -23,8 +23,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from common.block_hash import compact_block_hash, prompt_block_hashes
-from proto import KVCacheEvents
+from core_engine.common.block_hash import compact_block_hash, prompt_block_hashes
+from core_engine.proto import KVCacheEvents
 
 
 class CoreCacheMirror:

@@ -20,17 +20,17 @@ import logging
 import os
 import subprocess
 
-from common.ports import find_free_port_pair
-from common.process_watch import python_module_command, stop_process
-from common.ray_placement import (
+from core_engine.common.ports import find_free_port_pair
+from core_engine.common.process_watch import python_module_command, stop_process
+from core_engine.common.ray_placement import (
     PLACEMENT_GROUP_ENV,
     cluster_has_gpus,
     connect_to_ray,
     reserve_placement_group,
     worker_bundles,
 )
-from frontend.core_process import core_arguments
-from proto.engine_config import EngineConfig
+from core_engine.frontend.core_process import core_arguments
+from core_engine.proto.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class RayCoreActor:
     def run(self, argv: list[str], env: dict[str, str]) -> int:
         """Runs `python -m core` with `argv` and `env` on top of this process's environment;
         its exit code."""
-        command = [*python_module_command("core"), *argv]
+        command = [*python_module_command("core_engine.core"), *argv]
         self._process = subprocess.Popen(command, env={**os.environ, **env})
         return self._process.wait()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proto import TokenLogprobs
+from core_engine.proto import TokenLogprobs
 
 
 @dataclass(slots=True)

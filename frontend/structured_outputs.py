@@ -11,9 +11,8 @@ from __future__ import annotations
 import functools
 
 import msgspec
-
-from common.grammars import GrammarUnavailableError, build_grammar
-from proto.sampling_params import StructuredOutputs
+from core_engine.common.grammars import GrammarUnavailableError, build_grammar
+from core_engine.proto.sampling_params import StructuredOutputs
 
 KIND_NAMES = {"json": "JSON schema", "grammar": "EBNF grammar"}
 

@@ -1,7 +1,7 @@
 """Attention and KV cache kernels: CUDA C via CuPy on GPUs, C kernels on CPU (`cpu_backend`),
 a torch reference everywhere."""
 
-from kernels.attention import select_backend, write_kv_and_attend
-from kernels.attention_metadata import AttentionMetadata
+from core_engine.kernels.attention import select_backend, write_kv_and_attend
+from core_engine.kernels.attention_metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "select_backend", "write_kv_and_attend"]

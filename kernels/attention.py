@@ -10,10 +10,9 @@ window, so a sliding-window layer runs on the same backend as a full-attention o
 from __future__ import annotations
 
 import torch
-
-from kernels import torch_reference
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu import backend as cpu_backend
+from core_engine.kernels import torch_reference
+from core_engine.kernels.attention_metadata import AttentionMetadata
+from core_engine.kernels.cpu import backend as cpu_backend
 
 
 def write_kv_and_attend(
@@ -45,7 +44,7 @@ def write_kv_and_attend(
 def select_backend(device: torch.device):
     """Returns a module with `reshape_and_cache` and `paged_attention` for this device."""
     if device.type == "cuda":
-        from kernels.cuda import backend as cuda_backend
+        from core_engine.kernels.cuda import backend as cuda_backend
 
         if cuda_backend.is_available():
             return cuda_backend

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from kernels.step_plans import StepPlans
+from core_engine.kernels.step_plans import StepPlans
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from common.math_utils import cdiv
-from kernels.attention_metadata import AttentionMetadata
+from core_engine.common.math_utils import cdiv
+from core_engine.kernels.attention_metadata import AttentionMetadata
 
 
 def reshape_and_cache(

@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, and the typed codec for them."""
 
-from proto.codec import MessageDecodeError, MessageDecoder, MessageEncoder
-from proto.engine_messages import (
+from core_engine.proto.codec import MessageDecodeError, MessageDecoder, MessageEncoder
+from core_engine.proto.engine_messages import (
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -18,8 +18,8 @@ from proto.engine_messages import (
     UtilityRequest,
     UtilityResponse,
 )
-from proto.sampling_params import SamplingParams
-from proto.worker_messages import (
+from core_engine.proto.sampling_params import SamplingParams
+from core_engine.proto.worker_messages import (
     CachedRequestData,
     InitKVCache,
     KVCacheReady,

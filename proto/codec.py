@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-
-from proto.engine_messages import (
+from core_engine.proto.engine_messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -20,7 +19,7 @@ from proto.engine_messages import (
     UtilityRequest,
     UtilityResponse,
 )
-from proto.worker_messages import (
+from core_engine.proto.worker_messages import (
     InitKVCache,
     KVCacheReady,
     ModelRunnerOutput,

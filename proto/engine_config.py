@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-
-from common.dtypes import DTYPE_NAMES
-from common.human_readable_int import parse_human_readable_int
-from proto.endpoints import is_wildcard_host, parse_tcp_address
-from proto.kv_transfer import OFFLOADING_CONNECTOR, TCP_CONNECTOR, KVTransferConfig
-from proto.speculative_config import SpeculativeConfig
+from core_engine.common.dtypes import DTYPE_NAMES
+from core_engine.common.human_readable_int import parse_human_readable_int
+from core_engine.proto.endpoints import is_wildcard_host, parse_tcp_address
+from core_engine.proto.kv_transfer import OFFLOADING_CONNECTOR, TCP_CONNECTOR, KVTransferConfig
+from core_engine.proto.speculative_config import SpeculativeConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")

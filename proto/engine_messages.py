@@ -10,9 +10,8 @@ from __future__ import annotations
 import enum
 
 import msgspec
-
-from proto.kv_transfer_params import KVTransferParams
-from proto.sampling_params import SamplingParams
+from core_engine.proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.sampling_params import SamplingParams
 
 
 class FinishReason(enum.IntEnum):

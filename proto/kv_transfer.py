@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-from proto.json_struct import parse_json_struct
+from core_engine.proto.json_struct import parse_json_struct
 
 OFFLOADING_CONNECTOR = "OffloadingConnector"
 TCP_CONNECTOR = "TcpConnector"

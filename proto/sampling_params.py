@@ -6,8 +6,7 @@ import math
 from collections.abc import Sequence
 
 import msgspec
-
-from proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.kv_transfer_params import KVTransferParams
 
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them

@@ -24,8 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-from proto.json_struct import parse_json_struct
+from core_engine.proto.json_struct import parse_json_struct
 
 SPECULATIVE_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32

@@ -12,11 +12,14 @@ torch.distributed rendezvous) or `WorkerRejected` and a close. From then on the 
 from __future__ import annotations
 
 import msgspec
-
-from proto.engine_config import EngineConfig
-from proto.engine_messages import TokenLogprobs
-from proto.kv_transfer import KVConnectorHandshake, KVConnectorMetadata, KVConnectorOutput
-from proto.sampling_params import SamplingParams, StructuredOutputs
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.engine_messages import TokenLogprobs
+from core_engine.proto.kv_transfer import (
+    KVConnectorHandshake,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+)
+from core_engine.proto.sampling_params import SamplingParams, StructuredOutputs
 
 WORKER_PROTOCOL_VERSION = 5
 """Raised whenever a message of this link changes shape (EngineConfig included): a worker on

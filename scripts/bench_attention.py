@@ -33,10 +33,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch
 import torch.nn.functional as F
-
-from kernels import AttentionMetadata
-from kernels.cuda import backend as cuda_backend
-from kernels.cuda import launch_config as lc
+from core_engine.kernels import AttentionMetadata
+from core_engine.kernels.cuda import backend as cuda_backend
+from core_engine.kernels.cuda import launch_config as lc
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 BLOCK_SIZE = 16

@@ -23,8 +23,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.dtypes import dtype_name
-from common.ports import find_free_port
+from core_engine.common.dtypes import dtype_name
+from core_engine.common.ports import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -74,8 +74,7 @@ def machine_info() -> dict:
     }
     with contextlib.suppress(ImportError):
         import torch
-
-        from worker.cpu_features import host_cpu_flags, simd_level
+        from core_engine.worker.cpu_features import host_cpu_flags, simd_level
 
         info["torch"] = torch.__version__
         info["cpu_simd"] = simd_level(host_cpu_flags())
@@ -109,7 +108,7 @@ def device_results_dir(device: str) -> Path:
     that results from CPUs of different kinds never overwrite one another."""
     if device == "cuda":
         return RESULTS_DIR / "gpu"
-    from worker.cpu_features import SIMD_LEVELS, host_cpu_flags
+    from core_engine.worker.cpu_features import SIMD_LEVELS, host_cpu_flags
 
     flags = host_cpu_flags()
     return RESULTS_DIR / next((flag for flag, _ in SIMD_LEVELS if flag in flags), "generic_cpu")
@@ -199,7 +198,7 @@ def cpu_list_text(cpu_ids: Sequence[int]) -> str:
 def engine_default_dtype(device: str) -> str:
     """The dtype the engine picks when given none: bfloat16 on CUDA and on CPUs with native bf16
     instructions, float32 on other CPUs."""
-    from worker.worker import resolve_device, resolve_dtype
+    from core_engine.worker.worker import resolve_device, resolve_dtype
 
     return dtype_name(resolve_dtype(None, resolve_device(device)))
 
@@ -304,7 +303,7 @@ def core_serve(engine_flags: Sequence[str], log_path: Path | None = None) -> Ite
     """
     port = find_free_port()
     argv = [
-        sys.executable, "-m", "frontend.openai.cli",
+        sys.executable, "-m", "core_engine.frontend.openai.cli",
         "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
         *engine_flags,
     ]  # fmt: skip

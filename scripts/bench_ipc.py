@@ -37,10 +37,10 @@ import zmq
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from frontend.async_engine_client import AsyncEngineClient
-from frontend.core_client import AsyncCoreClient
-from frontend.engine_client import new_event_loop
-from proto import (
+from core_engine.frontend.async_engine_client import AsyncEngineClient
+from core_engine.frontend.core_client import AsyncCoreClient
+from core_engine.frontend.engine_client import new_event_loop
+from core_engine.proto import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -48,7 +48,8 @@ from proto import (
     MessageEncoder,
     SamplingParams,
 )
-from proto.engine_config import EngineConfig
+from core_engine.proto.engine_config import EngineConfig
+
 from scripts.bench_common import (
     RESULTS_DIR,
     machine_info,

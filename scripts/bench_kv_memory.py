@@ -43,13 +43,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.gguf_file import GGUFFile
-from common.math_utils import cdiv
-from common.model_files import gemma3_270m_model_path
-from core.kv_cache_manager import KVCacheManager
-from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-from core.request import Request
-from proto import SamplingParams
+from core_engine.common.gguf_file import GGUFFile
+from core_engine.common.math_utils import cdiv
+from core_engine.common.model_files import gemma3_270m_model_path
+from core_engine.core.kv_cache.kv_cache_manager import KVCacheManager
+from core_engine.core.kv_cache.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+)
+from core_engine.core.request import Request
+from core_engine.proto import SamplingParams
+from core_engine.worker.memory_profiler import KV_CACHE_MEMORY_BYTES_ENV
+
 from scripts.bench_common import (
     RESULTS_DIR,
     GenerationWorkload,
@@ -59,7 +65,6 @@ from scripts.bench_common import (
     result_name,
     write_results,
 )
-from worker.memory_profiler import KV_CACHE_MEMORY_BYTES_ENV
 
 BLOCK_SIZE = 16
 CONTEXT_LENGTHS = (2048, 8192, 32768)
@@ -217,7 +222,8 @@ def measure_throughput(
     model_path: Path, model_shape: ModelShape, shape: ThroughputShape, args: argparse.Namespace
 ) -> dict:
     """Hybrid vs all-full `LLM.generate` on one workload and one KV block budget."""
-    from frontend import LLM
+    from core_engine.frontend import LLM
+
     from scripts.bench_offline import run_engine
 
     context = shape.prompt_tokens + shape.max_tokens

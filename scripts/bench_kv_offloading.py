@@ -37,9 +37,10 @@ import httpx
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.block_hash import PREFIX_HASH_SEED_ENV
-from frontend.async_engine_client import load_engine_tokenizer
-from proto.engine_config import EngineConfig
+from core_engine.common.block_hash import PREFIX_HASH_SEED_ENV
+from core_engine.frontend.async_engine_client import load_engine_tokenizer
+from core_engine.proto.engine_config import EngineConfig
+
 from scripts.bench_common import (
     core_serve,
     device_results_dir,

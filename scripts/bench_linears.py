@@ -29,9 +29,11 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.dtypes import torch_dtype
-from kernels.cpu.bf16_matmul import Bf16MatmulWeight
-from kernels.cpu.f32_matmul import F32MatmulWeight
+from core_engine.common.dtypes import torch_dtype
+from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
+from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
+from core_engine.worker.model_executor.cpu_linear import pack_weight, packed_linear
+
 from scripts.bench_common import (
     RESULTS_DIR,
     default_num_threads,
@@ -41,7 +43,6 @@ from scripts.bench_common import (
     result_name,
     write_results,
 )
-from worker.cpu_linear import pack_weight, packed_linear
 
 # (out_features, in_features) of one SmolLM2-135M decoder layer: qkv, o, gate_up, down
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

@@ -47,8 +47,9 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.dtypes import DTYPE_NAMES
-from frontend import LLM, SamplingParams
+from core_engine.common.dtypes import DTYPE_NAMES
+from core_engine.frontend import LLM, SamplingParams
+
 from scripts.bench_common import (
     RESULTS_DIR,
     GenerationWorkload,
@@ -323,7 +324,7 @@ def start_peers(
 
 def gguf_path(model: str | None) -> Path:
     """The GGUF file of the engine's model (llama-server runs nothing else)."""
-    from common.model_files import GGUF_SUFFIX, resolve_model_path
+    from core_engine.common.model_files import GGUF_SUFFIX, resolve_model_path
 
     path = resolve_model_path(model)
     if path.suffix != GGUF_SUFFIX:

@@ -48,8 +48,9 @@ import httpx
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.model_files import resolve_model_path
-from common.ports import find_free_port
+from core_engine.common.model_files import resolve_model_path
+from core_engine.common.ports import find_free_port
+
 from scripts.bench_common import (
     StreamedCompletion,
     cpu_list_text,
@@ -107,7 +108,7 @@ def pinned_core_serve(
     one thread; without, on every usable CPU with the engine's default threads."""
     port = find_free_port()
     argv = [
-        sys.executable, "-m", "frontend.openai.cli",
+        sys.executable, "-m", "core_engine.frontend.openai.cli",
         "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", *engine_flags,
     ]  # fmt: skip
     if cpu_id is not None:
@@ -122,7 +123,7 @@ def pinned_core_serve(
 def pd_proxy(prefill_url: str, decode_url: str, log_path: Path) -> Iterator[str]:
     port = find_free_port()
     argv = [
-        sys.executable, "-m", "frontend.openai.pd_proxy_cli",
+        sys.executable, "-m", "core_engine.frontend.openai.pd_proxy_cli",
         "--prefill", prefill_url, "--decode", decode_url,
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
@@ -359,7 +360,7 @@ def engine_flags(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shape = args.shape
-    from frontend.text.tokenizer import load_tokenizer
+    from core_engine.frontend.text.tokenizer import load_tokenizer
 
     encode = load_tokenizer(resolve_model_path(args.model)).encode
     requests = build_workload(shape, encode, args.seed)

@@ -18,9 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-from core.request import Request
-from core.scheduler import Scheduler, SchedulerConfig
-from proto import ModelRunnerOutput, SamplingParams
+from core_engine.core.request import Request
+from core_engine.core.sched.scheduler import Scheduler, SchedulerConfig
+from core_engine.proto import ModelRunnerOutput, SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 BLOCK_SIZE = 16

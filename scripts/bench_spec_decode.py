@@ -37,9 +37,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.dtypes import DTYPE_NAMES
-from proto.engine_config import EngineConfig
-from proto.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
+from core_engine.common.dtypes import DTYPE_NAMES
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
+
 from scripts.bench_common import (
     default_hf_folder,
     default_num_threads,

@@ -21,14 +21,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.dtypes import DTYPE_NAMES
-from common.model_files import resolve_model_path
-from core.in_process_engine import GenerationOutput, InProcessEngine
-from frontend.text.tokenizer import load_tokenizer
-from proto import SamplingParams, SchedulerStats
-from proto.engine_config import EngineConfig
-from proto.speculative_config import SpeculativeConfig
-from worker.local_executor import LocalExecutor
+from core_engine.common.dtypes import DTYPE_NAMES
+from core_engine.common.model_files import resolve_model_path
+from core_engine.core.in_process_engine import GenerationOutput, InProcessEngine
+from core_engine.frontend.text.tokenizer import load_tokenizer
+from core_engine.proto import SamplingParams, SchedulerStats
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.speculative_config import SpeculativeConfig
+from core_engine.worker.local_executor import LocalExecutor
 
 
 def generate(

@@ -33,12 +33,11 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-
-from core.in_process_engine import InProcessEngine
-from kernels import attention, torch_reference
-from proto import SamplingParams
-from proto.engine_config import EngineConfig
-from worker.local_executor import LocalExecutor
+from core_engine.core.in_process_engine import InProcessEngine
+from core_engine.kernels import attention, torch_reference
+from core_engine.proto import SamplingParams
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.local_executor import LocalExecutor
 
 _LLAMA_COMMON = {
     "architectures": ["LlamaForCausalLM"],
@@ -269,7 +268,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def offline_throughput(folder: Path, shape: dict, device: str, workloads: Workloads) -> dict:
     """Output tokens per second of `LLM.generate` over the workload, after a warm-up."""
-    from frontend import LLM
+    from core_engine.frontend import LLM
 
     prompts = random_prompts(
         [workloads.prompt_len] * workloads.num_prompts, shape["vocab_size"], seed=2

@@ -25,10 +25,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-
-from kernels import AttentionMetadata, torch_reference
-from kernels.cuda import backend as cuda_backend
-from kernels.cuda.module_loader import default_loader
+from core_engine.kernels import AttentionMetadata, torch_reference
+from core_engine.kernels.cuda import backend as cuda_backend
+from core_engine.kernels.cuda.module_loader import default_loader
 
 BLOCK_SIZE = 16
 # (seq_lens, query lens) of the batches: two decodes, a prompt and a chunk over a context;

@@ -26,8 +26,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.cuda import launch_config as lc
-from kernels.cuda.occupancy import MAX_REGISTERS_PER_THREAD, ctas_per_sm
+from core_engine.kernels.cuda import launch_config as lc
+from core_engine.kernels.cuda.occupancy import MAX_REGISTERS_PER_THREAD, ctas_per_sm
+
 from scripts.bench_common import (
     RESULTS_DIR,
     machine_info,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from core.block_pool import BlockPool
-from core.kv_block_map import build_kv_block_map
-from core.request import Request
-from proto import SamplingParams
-from proto.engine_messages import MAX_KV_BLOCK_MAP_CELLS
+from core_engine.core.kv_cache.block_pool import BlockPool
+from core_engine.core.kv_cache.kv_block_map import build_kv_block_map
+from core_engine.core.request import Request
+from core_engine.proto import SamplingParams
+from core_engine.proto.engine_messages import MAX_KV_BLOCK_MAP_CELLS
 
 BLOCK_SIZE = 16
 

@@ -13,7 +13,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.math_utils import cdiv
+from core_engine.common.math_utils import cdiv
+
 from scripts.bench_common import exact_length_prompt, make_text
 
 Encode = Callable[[str], list[int]]

@@ -73,14 +73,15 @@ def snapshot(pids: list[int]) -> dict[tuple[int, int], ThreadSample]:
 
 
 def process_label(pid: int) -> str:
-    """A short name for the process: `python -m worker ...` -> "worker", else its program."""
+    """A short name for the process: `python -m core_engine.worker ...` -> "worker", else its
+    program."""
     try:
         argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return "?"
     words = [word.decode(errors="replace") for word in argv if word]
     if "-m" in words[:-1]:
-        return words[words.index("-m") + 1]
+        return words[words.index("-m") + 1].removeprefix("core_engine.")
     return Path(words[1] if len(words) > 1 and "python" in words[0] else words[0]).name
 
 

@@ -34,20 +34,25 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.model_files import resolve_model_path
-from core.engine_core import start_engine_core
-from core.request import Request
-from core.scheduler import Scheduler
-from frontend.text.tokenizer import load_tokenizer
-from proto import (
+from core_engine.common.model_files import resolve_model_path
+from core_engine.core.engine_core import start_engine_core
+from core_engine.core.request import Request
+from core_engine.core.sched.scheduler import Scheduler
+from core_engine.frontend.text.tokenizer import load_tokenizer
+from core_engine.proto import (
     MessageDecoder,
     MessageEncoder,
     ModelRunnerOutput,
     SamplingParams,
     SchedulerOutput,
 )
-from proto.engine_config import EngineConfig
-from proto.message_pipe import MessagePipe
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.message_pipe import MessagePipe
+from core_engine.worker import layers, model_runner, sampler
+from core_engine.worker.host_allocator import keep_freed_memory
+from core_engine.worker.local_executor import LocalExecutor
+from core_engine.worker.model_executor.models import llama
+
 from scripts.bench_common import (
     RESULTS_DIR,
     machine_info,
@@ -56,10 +61,6 @@ from scripts.bench_common import (
     write_results,
 )
 from scripts.bench_offline import FULL_SHAPE, QUICK_SHAPE, WORKLOAD_NAMES, build_workloads
-from worker import layers, model_runner, sampler
-from worker.host_allocator import keep_freed_memory
-from worker.local_executor import LocalExecutor
-from worker.models import llama
 
 LINEARS = "linears (qkv, o, gate_up, down)"
 ATTENTION = "attention (KV write + paged attention)"

@@ -35,7 +35,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.step_trace import STEP_TRACE_ENV, StepRecord, read_step_trace
+from core_engine.core.step_trace import STEP_TRACE_ENV, StepRecord, read_step_trace
+
 from scripts import proc_stats
 from scripts.bench_common import (
     RESULTS_DIR,
@@ -79,8 +80,8 @@ def run_offline(
     pin: bool = False,
 ) -> dict:
     """`LLM.generate` on random prompts of the workload's shape, traced and /proc-sampled."""
-    from frontend import LLM
-    from proto import SamplingParams
+    from core_engine.frontend import LLM
+    from core_engine.proto import SamplingParams
 
     prompts = random_token_prompts(random.Random(seed), workload.num_prompts, workload.input_len)
     # What vllm bench serve's requests get: no temperature is sent, so the server's default, 1.

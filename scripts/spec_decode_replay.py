@@ -23,8 +23,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.spec_decode.draft_length import AdaptiveDraftLength
-from core.spec_decode.ngram_proposer import NgramIndex
+from core_engine.core.spec_decode.draft_length import AdaptiveDraftLength
+from core_engine.core.spec_decode.ngram_proposer import NgramIndex
 
 Propose = Callable[[list[int], int], list[int]]
 
@@ -94,12 +94,13 @@ DRAFTERS = [
 
 def greedy_replies(num_chats: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
     """(prompt, greedy reply) of the first `num_chats` copy-heavy chats, default model."""
-    from core.in_process_engine import InProcessEngine
-    from frontend.async_engine_client import load_engine_tokenizer
-    from proto import SamplingParams
-    from proto.engine_config import EngineConfig
+    from core_engine.core.in_process_engine import InProcessEngine
+    from core_engine.frontend.async_engine_client import load_engine_tokenizer
+    from core_engine.proto import SamplingParams
+    from core_engine.proto.engine_config import EngineConfig
+    from core_engine.worker.local_executor import LocalExecutor
+
     from scripts.copy_heavy_chats import copy_heavy_conversations
-    from worker.local_executor import LocalExecutor
 
     config = EngineConfig()
     tokenizer = load_engine_tokenizer(config)

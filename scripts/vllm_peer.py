@@ -17,7 +17,8 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from common.ports import find_free_port
+from core_engine.common.ports import find_free_port
+
 from scripts.bench_common import (
     GenerationWorkload,
     cpu_list_text,

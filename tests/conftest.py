@@ -34,8 +34,9 @@ def pytest_itemcollected(item):
     marker = item.get_closest_marker(CPU_KERNEL_MARKER)
     if marker is None:
         return
+    from core_engine.worker.cpu_features import host_cpu_flags
+
     from tests.cpu_kernel_builds import missing_flags_reason
-    from worker.cpu_features import host_cpu_flags
 
     reason = missing_flags_reason(marker.args, marker.kwargs["kernel"], host_cpu_flags())
     if reason is not None:
@@ -51,8 +52,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     num_ran = sum(len(marked(category)) for category in ("passed", "failed", "xfailed"))
     if not skipped and not num_ran:
         return
+    from core_engine.worker.cpu_features import host_cpu_flags
+
     from tests.cpu_kernel_builds import skipped_kernel_tests_summary
-    from worker.cpu_features import host_cpu_flags
 
     heading, lines = skipped_kernel_tests_summary(skipped, num_ran, host_cpu_flags())
     terminalreporter.write_sep("=", heading)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from core.kv_cache_spec import KVCacheConfig
-from core.request import Request
-from core.scheduler import Scheduler, SchedulerConfig
-from proto import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from core_engine.core.kv_cache.kv_cache_spec import KVCacheConfig
+from core_engine.core.request import Request
+from core_engine.core.sched.scheduler import Scheduler, SchedulerConfig
+from core_engine.proto import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 BLOCK_SIZE = 4
 

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from kernels.cpu.backend import CpuAttentionCapabilities, attention_capabilities
-from worker.cpu_features import host_cpu_flags, simd_level
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.kernels.cpu.backend import CpuAttentionCapabilities, attention_capabilities
+from core_engine.worker.cpu_features import host_cpu_flags, simd_level
 
 # The attention shape the builds' capabilities are given for: 6 query heads over 2 KV heads
 # (a GQA group of 3), head size 64, blocks of 16 tokens.

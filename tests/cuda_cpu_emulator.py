@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from kernels.cpu.kernel_loader import compile_shared_library
-from kernels.cuda.module_loader import KERNEL_DIR, load_source
+from core_engine.kernels.cpu.kernel_loader import compile_shared_library
+from core_engine.kernels.cuda.module_loader import KERNEL_DIR, load_source
 
 HEADER = Path(__file__).resolve().with_name("cuda_cpu_emulator.h")
 TAIL_HEADER = Path(__file__).resolve().with_name("cuda_cpu_emulator_tail.h")

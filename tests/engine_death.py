@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from frontend import LLM, EngineDeadError
+from core_engine.frontend import LLM, EngineDeadError
+
 from tests.server_process import descendant_pids
 
 GENERATING_TIMEOUT_S = 120.0
@@ -19,7 +20,7 @@ def engine_worker_pids(llm: LLM) -> list[int]:
     return [
         pid
         for pid in descendant_pids(core_pid)
-        if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"core_engine.worker" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     ]
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.model_files import resolve_model_path
-from core.in_process_engine import GenerationOutput, InProcessEngine
-from frontend.text.tokenizer import load_tokenizer
-from proto import SamplingParams
-from proto.engine_config import EngineConfig
-from worker.local_executor import LocalExecutor
+from core_engine.common.model_files import resolve_model_path
+from core_engine.core.in_process_engine import GenerationOutput, InProcessEngine
+from core_engine.frontend.text.tokenizer import load_tokenizer
+from core_engine.proto import SamplingParams
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.local_executor import LocalExecutor
 
 
 def in_process_engine(config: EngineConfig | None = None, worker=None) -> InProcessEngine:

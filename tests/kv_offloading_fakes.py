@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.kv_connector.offloading_connector import OffloadingConnector
-from core.kv_connector.tier_index import TierIndex
-from core.scheduler import Scheduler
-from proto import SchedulerOutput
-from proto.kv_transfer import KVConnectorOutput, OffloadingConnectorMetadata
+from core_engine.core.kv_connector.offloading_connector import OffloadingConnector
+from core_engine.core.kv_connector.tier_index import TierIndex
+from core_engine.core.sched.scheduler import Scheduler
+from core_engine.proto import SchedulerOutput
+from core_engine.proto.kv_transfer import KVConnectorOutput, OffloadingConnectorMetadata
+
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_scheduler
 
 BYTES_PER_BLOCK = 1000

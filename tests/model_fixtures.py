@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from kernels import AttentionMetadata
+from core_engine.kernels import AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

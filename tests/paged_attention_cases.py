@@ -15,8 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from kernels import AttentionMetadata, torch_reference
+from core_engine.kernels import AttentionMetadata, torch_reference
 
 
 @dataclass(slots=True)

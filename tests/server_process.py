@@ -11,8 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-
-from common.ports import find_free_port
+from core_engine.common.ports import find_free_port
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -37,7 +36,7 @@ class ServerProcess:
             [
                 sys.executable,
                 "-m",
-                "frontend.openai.cli",
+                "core_engine.frontend.openai.cli",
                 "--host",
                 "127.0.0.1",
                 "--port",

@@ -19,15 +19,15 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
+from core_engine.common.ports import find_free_port_pair
+from core_engine.core.client_watch import ClientEvent, ClientWatch
+from core_engine.frontend import core_client
+from core_engine.frontend.core_client import AsyncCoreClient, EngineCoreNotFoundError
+from core_engine.proto import EngineCoreRequest, FinishReason, SamplingParams
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.null_worker import NULL_TOKEN_ID
 
-from common.ports import find_free_port_pair
-from core.client_watch import ClientEvent, ClientWatch
-from frontend import core_client
-from frontend.core_client import AsyncCoreClient, EngineCoreNotFoundError
-from proto import EngineCoreRequest, FinishReason, SamplingParams
-from proto.engine_config import EngineConfig
 from tests.server_process import ServerProcess, wait_until
-from worker.null_worker import NULL_TOKEN_ID
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -44,7 +44,7 @@ class HandStartedCore:
         self.address = address
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        argv = [sys.executable, "-m", "core", "--frontend-address", address, *flags]
+        argv = [sys.executable, "-m", "core_engine.core", "--frontend-address", address, *flags]
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
@@ -195,9 +195,9 @@ def test_core_serve_restarted_on_a_core_with_the_default_model_completes_the_sam
 
 DOOMED_CLIENT = """
 import asyncio, sys
-from frontend.core_client import AsyncCoreClient
-from proto import EngineCoreRequest, SamplingParams
-from proto.engine_config import EngineConfig
+from core_engine.frontend.core_client import AsyncCoreClient
+from core_engine.proto import EngineCoreRequest, SamplingParams
+from core_engine.proto.engine_config import EngineConfig
 
 async def main():
     client = AsyncCoreClient(EngineConfig(model="null"), sys.argv[1], launch_core=False)

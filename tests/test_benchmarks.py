@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_engine.core.kv_cache.kv_cache_manager import KVCacheManager
+from core_engine.core.step_trace import StepRecord
+from core_engine.frontend.text.null_tokenizer import NullTokenizer
+from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
+from core_engine.kernels.cuda import backend as cuda_backend
 
-from core.kv_cache_manager import KVCacheManager
-from core.step_trace import StepRecord
-from frontend.text.null_tokenizer import NullTokenizer
-from kernels.cpu import f32_matmul as cpu_f32_matmul
-from kernels.cuda import backend as cuda_backend
 from scripts import (
     bench_attention,
     bench_kv_offloading,
@@ -1177,8 +1177,9 @@ def test_sanitizer_case_script_refuses_to_run_without_cuda():
 IMPORT_PROBE = """
 import sys
 import scripts.gpu_engine_check, scripts.gpu_sanitize_cases, scripts.bench_attention
-import tests.test_kernels_gpu, frontend.llm, core.engine_core_proc, worker.worker
-import worker.model_loader, worker.safetensors_loader, worker.__main__
+import tests.test_kernels_gpu, core_engine.frontend.llm, core_engine.core.engine_core_proc
+import core_engine.worker.worker, core_engine.worker.model_executor.model_loader
+import core_engine.worker.model_executor.safetensors_loader, core_engine.worker.__main__
 print(" ".join(sorted({name.split(".")[0] for name in sys.modules})))
 """
 
@@ -1192,7 +1193,7 @@ def test_the_kit_imports_only_what_the_gpu_machine_has_or_the_wheelhouse_brings(
         timeout=120,
     )
     assert completed.returncode == 0, completed.stderr
-    ours = {"common", "proto", "core", "worker", "kernels", "frontend", "tools", "scripts", "tests"}
+    ours = {"core_engine", "tools", "scripts", "tests"}
     third_party = {
         name
         for name in completed.stdout.split()
@@ -1730,8 +1731,9 @@ def test_peer_results_are_checked():
 
 
 def test_results_go_to_a_folder_named_after_the_cpu_kind(monkeypatch):
+    from core_engine.worker import cpu_features
+
     from scripts.bench_common import RESULTS_DIR, device_results_dir
-    from worker import cpu_features
 
     monkeypatch.setattr(cpu_features, "host_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert device_results_dir("cpu") == RESULTS_DIR / "avx2"

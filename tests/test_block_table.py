@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 import torch
-
-from worker.block_table import BlockTable
+from core_engine.worker.block_table import BlockTable
 
 
 def make_table(max_num_reqs: int = 4, max_blocks: int = 3, block_size: int = 4) -> BlockTable:

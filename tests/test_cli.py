@@ -9,13 +9,12 @@ import re
 from pathlib import Path
 
 import pytest
+from core_engine.frontend.metrics import EngineMetrics
+from core_engine.frontend.openai.app import _log_stats
+from core_engine.frontend.openai.cli import DEFAULT_PORT, DEFAULT_SERVED_MODEL_NAME, parse_args
+from core_engine.proto import SchedulerStats
+from core_engine.proto.engine_config import EngineConfig
 from prometheus_client.parser import text_string_to_metric_families
-
-from frontend.metrics import EngineMetrics
-from frontend.openai.app import _log_stats
-from frontend.openai.cli import DEFAULT_PORT, DEFAULT_SERVED_MODEL_NAME, parse_args
-from proto import SchedulerStats
-from proto.engine_config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -167,7 +166,7 @@ def test_stats_are_logged_every_interval(caplog):
             await asyncio.sleep(0.005)
         task.cancel()
 
-    with caplog.at_level(logging.INFO, logger="frontend.openai.app"):
+    with caplog.at_level(logging.INFO, logger="core_engine.frontend.openai.app"):
         asyncio.run(run_briefly(FakeEngine()))
     lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
     assert len(lines) >= 2
@@ -249,7 +248,7 @@ def _readme_section(title: str) -> str:
 
 
 def test_the_readme_flag_table_lists_every_core_serve_flag():
-    from frontend.openai.cli import make_parser
+    from core_engine.frontend.openai.cli import make_parser
 
     table = _readme_section("`core-serve` flags")
     flags = [

@@ -5,10 +5,9 @@ from __future__ import annotations
 import inspect
 
 import pytest
-
-from frontend.core_client import AsyncCoreClient
-from frontend.core_client_protocol import CoreClient
-from frontend.data_parallel_client import DataParallelCoreClient
+from core_engine.frontend.core_client import AsyncCoreClient
+from core_engine.frontend.core_client_protocol import CoreClient
+from core_engine.frontend.data_parallel_client import DataParallelCoreClient
 
 PROTOCOL_METHODS = sorted(
     name

@@ -18,14 +18,14 @@ import shutil
 
 import pytest
 import torch
+from core_engine.kernels import select_backend, torch_reference
+from core_engine.kernels.cpu import attention_args
+from core_engine.kernels.cpu import backend as cpu_backend
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.worker.cpu_features import host_cpu_flags
 
-from kernels import select_backend, torch_reference
-from kernels.cpu import attention_args
-from kernels.cpu import backend as cpu_backend
-from kernels.cpu import kernel_loader as cpu_kernel_loader
 from tests.cpu_kernel_builds import AVX512_BF16, KERNEL_BUILDS, kernel_library, requires_cpu_flags
 from tests.paged_attention_cases import make_case, naive_attention
-from worker.cpu_features import host_cpu_flags
 
 ATOL_FP32 = 1e-5
 

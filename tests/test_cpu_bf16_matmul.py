@@ -12,17 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
+from core_engine.worker.model_executor.cpu_linear import pack_linears
+from core_engine.worker.model_executor.layers import ColumnParallelLinear, ParallelLMHead
 
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from tests.cpu_kernel_builds import (
     AVX512_BF16,
     assert_float32_sums,
     kernel_library,
     requires_cpu_flags,
 )
-from worker.cpu_linear import pack_linears
-from worker.layers import ColumnParallelLinear, ParallelLMHead
 
 pytestmark = requires_cpu_flags(*AVX512_BF16.cpu_flags, kernel="bf16_matmul.c")
 

@@ -17,20 +17,20 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu import fused_ops as cpu_fused_ops
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from kernels.cpu.f32_matmul import F32MatmulWeight
-from tests.cpu_kernel_builds import AVX2, assert_float32_sums, kernel_library, requires_cpu_flags
-from worker.cpu_linear import pack_linears
-from worker.layers import (
+from core_engine.kernels.cpu import fused_ops as cpu_fused_ops
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
+from core_engine.worker.model_executor.cpu_linear import pack_linears
+from core_engine.worker.model_executor.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
 )
-from worker.model_config import ModelConfig
-from worker.models.llama import LlamaMLP
+from core_engine.worker.model_executor.model_config import ModelConfig
+from core_engine.worker.model_executor.models.llama import LlamaMLP
+
+from tests.cpu_kernel_builds import AVX2, assert_float32_sums, kernel_library, requires_cpu_flags
 
 pytestmark = requires_cpu_flags(*AVX2.cpu_flags, kernel="f32_matmul.c")
 

@@ -12,10 +12,15 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu import fused_ops as cpu_fused_ops
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, apply_rotary_qk
+from core_engine.kernels.cpu import fused_ops as cpu_fused_ops
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.worker.model_executor.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    apply_rotary,
+    apply_rotary_qk,
+)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None,

@@ -18,8 +18,10 @@ import subprocess
 import sys
 
 import pytest
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.worker.cpu_features import host_cpu_flags
+from core_engine.worker.model_executor.cpu_linear import CpuLinearCapabilities
 
-from kernels.cpu import kernel_loader as cpu_kernel_loader
 from tests.cpu_kernel_builds import (
     ATTENTION_SHAPE,
     AVX2,
@@ -35,8 +37,6 @@ from tests.cpu_kernel_builds import (
     requires_cpu_flags,
     skipped_kernel_tests_summary,
 )
-from worker.cpu_features import host_cpu_flags
-from worker.cpu_linear import CpuLinearCapabilities
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = ATTENTION_SHAPE
 # Prints what a library reports, in KernelBuild.readings order, with ctypes alone.

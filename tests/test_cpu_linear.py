@@ -7,24 +7,23 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from kernels.cpu.bf16_matmul import Bf16MatmulWeight
-from kernels.cpu.f32_matmul import F32MatmulWeight
-from worker.cpu_linear import (
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
+from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
+from core_engine.worker.model_executor.cpu_linear import (
     CpuLinearCapabilities,
     LinearKernel,
     can_pack,
     choose_kernel,
     pack_linears,
 )
-from worker.layers import (
+from core_engine.worker.model_executor.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from torch import nn
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 import httpx
 import msgspec
 import pytest
+from core_engine.frontend.async_engine_client import AsyncEngineClient
+from core_engine.frontend.core_client import EngineDeadError
+from core_engine.frontend.data_parallel_client import DataParallelCoreClient
+from core_engine.proto import SamplingParams, SchedulerStats
+from core_engine.proto.engine_config import EngineConfig
 
-from frontend.async_engine_client import AsyncEngineClient
-from frontend.core_client import EngineDeadError
-from frontend.data_parallel_client import DataParallelCoreClient
-from proto import SamplingParams, SchedulerStats
-from proto.engine_config import EngineConfig
 from tests.server_process import ServerProcess, descendant_pids, is_alive, wait_until
 
 BLOCK_SIZE = 16
@@ -163,7 +163,7 @@ def test_a_core_killed_fails_every_request_and_stops_the_other_core():
 
 
 def test_each_core_gets_its_rank_and_its_own_gpus():
-    from worker.worker_factory import device_rank
+    from core_engine.worker.worker_factory import device_rank
 
     client = DataParallelCoreClient(make_config(3))
     assert [core.config.data_parallel_rank for core in client.cores] == [0, 1, 2]

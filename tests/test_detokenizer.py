@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from core_engine.common.model_files import resolve_model_path
+from core_engine.frontend.text.detokenizer import IncrementalDetokenizer
+from core_engine.frontend.text.null_tokenizer import NullTokenizer
+from core_engine.frontend.text.tokenizer import load_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from common.model_files import resolve_model_path
-from frontend.text.detokenizer import IncrementalDetokenizer
-from frontend.text.null_tokenizer import NullTokenizer
-from frontend.text.tokenizer import load_tokenizer
 
 MULTILINGUAL_TEXTS = [
     "Hello 😀 world",

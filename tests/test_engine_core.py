@@ -10,12 +10,11 @@ import argparse
 
 import pytest
 import zmq
-
-from core.engine_core import EngineCore, make_request
-from core.request import Request
-from core.scheduler import Scheduler
-from core.scheduler_config import SchedulerConfig
-from proto import (
+from core_engine.core.engine_core import EngineCore, make_request
+from core_engine.core.request import Request
+from core_engine.core.sched.scheduler import Scheduler
+from core_engine.core.sched.scheduler_config import SchedulerConfig
+from core_engine.proto import (
     CachedRequestData,
     EngineCoreRequest,
     FinishReason,
@@ -23,13 +22,13 @@ from proto import (
     SamplingParams,
     SchedulerOutput,
 )
-from proto.endpoints import (
+from core_engine.proto.endpoints import (
     PRIVATE_IPC_DIR_PREFIX,
     frontend_endpoints,
     remove_dead_frontend_sockets,
 )
-from proto.engine_config import EngineConfig
-from worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE, NullWorker
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE, NullWorker
 
 VOCAB_SIZE = NULL_VOCAB_SIZE
 
@@ -77,7 +76,7 @@ def test_engine_config_defaults_are_valid_and_round_trip_through_b64():
     ("field", "value", "message"),
     [
         ("device", "tpu", "device must be one of"),
-        ("dtype", "int8", "dtype must be None or one of"),
+        ("dtype", "int8", "dtype must be auto (None) or one of"),
         ("block_size", 12, "block_size must be a power of two, got 12"),
         ("max_num_seqs", 0, "max_num_seqs must be at least 1, got 0"),
         ("max_num_batched_tokens", 0, "max_num_batched_tokens must be at least 1"),

@@ -19,12 +19,11 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-
-from common.config_error import ConfigError
-from common.ports import find_free_port_pair
-from core.multiproc_executor import MultiprocExecutor
-from frontend.core_client import AsyncCoreClient, EngineDeadError
-from proto import (
+from core_engine.common.config_error import ConfigError
+from core_engine.common.ports import find_free_port_pair
+from core_engine.core.executor.multiproc_executor import MultiprocExecutor
+from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
+from core_engine.proto import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -36,10 +35,10 @@ from proto import (
     SchedulerOutput,
     SchedulerStats,
 )
-from proto.codec import TYPE_TO_CODE
-from proto.endpoints import frontend_endpoints
-from proto.engine_config import EngineConfig
-from worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE
+from core_engine.proto.codec import TYPE_TO_CODE
+from core_engine.proto.endpoints import frontend_endpoints
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -282,7 +281,15 @@ class RawFrontend:
         self.router.bind(endpoints.requests)
         self.pull = self.context.socket(zmq.PULL)
         self.pull.bind(endpoints.outputs)
-        argv = [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
+        argv = [
+            sys.executable,
+            "-m",
+            "core_engine.core",
+            "--frontend-address",
+            address,
+            "--model",
+            "null",
+        ]
         self.process = subprocess.Popen([*argv, "--watch-parent", *core_flags])
         self.encoder = MessageEncoder()
         self.output_decoder = MessageDecoder([EngineCoreOutputs])
@@ -435,7 +442,15 @@ def test_a_core_that_cannot_start_fails_start_and_leaves_nothing():
 def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed(tmp_path):
     async def scenario():
         address = f"tcp://127.0.0.1:{find_free_port_pair()}"
-        argv = [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
+        argv = [
+            sys.executable,
+            "-m",
+            "core_engine.core",
+            "--frontend-address",
+            address,
+            "--model",
+            "null",
+        ]
         argv += ["--max-num-seqs", "4", "--max-model-len", "100000"]
         # Anything the core writes to TMPDIR would stay there after its kill -9.
         core = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp_path)})
@@ -466,8 +481,8 @@ def test_a_separately_started_core_connects_over_tcp_and_its_death_is_noticed(tm
 
 FRONTEND_SCRIPT = """
 import asyncio
-from frontend.core_client import AsyncCoreClient
-from proto.engine_config import EngineConfig
+from core_engine.frontend.core_client import AsyncCoreClient
+from core_engine.proto.engine_config import EngineConfig
 
 async def main():
     client = AsyncCoreClient(EngineConfig(model="null"))
@@ -508,8 +523,8 @@ def test_a_users_own_core_and_worker_folders_do_not_shadow_the_engine(tmp_path):
             f"raise SystemExit('a user package named {name} was imported')\n"
         )
     script = (
-        "from frontend.llm import LLM\n"
-        "from proto import SamplingParams\n"
+        "from core_engine.frontend.llm import LLM\n"
+        "from core_engine.proto import SamplingParams\n"
         "with LLM(model='null', max_model_len=64) as llm:\n"
         "    (out,) = llm.generate('hi', SamplingParams(max_tokens=2), use_tqdm=False)\n"
         "    print(len(out.outputs[0].token_ids))\n"

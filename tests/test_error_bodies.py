@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from frontend.openai.api_error import APIError, _error_json
-from frontend.openai.app import _check_model
-from frontend.openai.protocol.errors import ErrorResponse
-from frontend.openai.server_settings import ServerSettings
+from core_engine.frontend.openai.api_error import APIError, _error_json
+from core_engine.frontend.openai.app import _check_model
+from core_engine.frontend.openai.protocol.errors import ErrorResponse
+from core_engine.frontend.openai.server_settings import ServerSettings
 
 
 def test_a_404_naming_a_model_that_utf8_cannot_encode_has_a_json_body():

@@ -17,18 +17,19 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-
-from common.gguf_file import GGUFFile
-from common.model_files import gemma3_270m_model_path, model_cache_dir, resolve_model_path
-from core.in_process_engine import GenerationOutput
-from kernels import torch_reference, write_kv_and_attend
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu import backend as cpu_backend
-from proto import SamplingParams
-from proto.engine_config import EngineConfig
-from tests.engine_helpers import generate_token_ids, in_process_engine
-from tests.model_fixtures import hf_greedy
-from worker.gguf_loader import (
+from core_engine.common.gguf_file import GGUFFile
+from core_engine.common.model_files import (
+    gemma3_270m_model_path,
+    model_cache_dir,
+    resolve_model_path,
+)
+from core_engine.core.in_process_engine import GenerationOutput
+from core_engine.kernels import torch_reference, write_kv_and_attend
+from core_engine.kernels.attention_metadata import AttentionMetadata
+from core_engine.kernels.cpu import backend as cpu_backend
+from core_engine.proto import SamplingParams
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.model_executor.gguf_loader import (
     Q4_K_BLOCK_BYTES,
     Q4_K_TYPE_ID,
     Q6_K_BLOCK_BYTES,
@@ -37,7 +38,10 @@ from worker.gguf_loader import (
     gguf_model_config,
     tensor_data,
 )
-from worker.worker import Worker
+from core_engine.worker.worker import Worker
+
+from tests.engine_helpers import generate_token_ids, in_process_engine
+from tests.model_fixtures import hf_greedy
 
 END_OF_TURN_ID = 106
 EOS_ID = 1
@@ -279,7 +283,7 @@ def hf_folder(gguf_path):
 
 @pytest.fixture(scope="module")
 def tokenizer(gguf_path):
-    from frontend.text.tokenizer import load_tokenizer
+    from core_engine.frontend.text.tokenizer import load_tokenizer
 
     return load_tokenizer(gguf_path)
 

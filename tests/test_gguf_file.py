@@ -7,10 +7,9 @@ import re
 import gguf
 import numpy as np
 import pytest
-
-from common.gguf_file import GGUFFile
-from common.model_files import default_model_path
-from worker.gguf_loader import tensor_data
+from core_engine.common.gguf_file import GGUFFile
+from core_engine.common.model_files import default_model_path
+from core_engine.worker.model_executor.gguf_loader import tensor_data
 
 
 def reader_fields(reader: gguf.GGUFReader) -> dict:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 PROBE = textwrap.dedent(
     """
     import ctypes, os, sys
-    from worker.host_allocator import keep_freed_memory
+    from core_engine.worker.host_allocator import keep_freed_memory
     if sys.argv[1] == "tuned":
         assert keep_freed_memory()
     libc = ctypes.CDLL(None)

@@ -6,9 +6,8 @@ import sys
 from pathlib import Path
 
 import torch
-
-from kernels.cpu.f32_matmul import F32MatmulWeight, panel_columns
-from kernels.cpu.huge_pages import (
+from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight, panel_columns
+from core_engine.kernels.cpu.huge_pages import (
     HUGE_PAGE_BYTES,
     MIN_BYTES,
     HugePageArena,

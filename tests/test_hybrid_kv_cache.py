@@ -6,14 +6,21 @@ import dataclasses
 import re
 
 import pytest
+from core_engine.common.math_utils import cdiv
+from core_engine.core.kv_cache.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    UnitaryKVCacheCoordinator,
+)
+from core_engine.core.kv_cache.kv_cache_manager import KVCacheManager
+from core_engine.core.kv_cache.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+)
+from core_engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.math_utils import cdiv
-from core.kv_cache_coordinator import HybridKVCacheCoordinator, UnitaryKVCacheCoordinator
-from core.kv_cache_manager import KVCacheManager
-from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-from core.scheduler import Scheduler, SchedulerConfig
 from tests.core_factories import make_request, make_scheduler, run_step
 
 BLOCK = 4

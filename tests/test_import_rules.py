@@ -10,6 +10,7 @@ imports every one of their modules.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS = ("common", "proto", "core", "worker", "kernels", "frontend", "tools", "scripts", "tests")
+NAMESPACE = "core_engine"
+# The engine's packages, installed as core_engine.<package> (setup.py) from these folders.
+PRODUCT_PACKAGES = ("common", "proto", "core", "worker", "kernels", "frontend")
+OURS = (*PRODUCT_PACKAGES, "tools", "scripts", "tests")
 # Package -> the packages of ours it may import (itself included).
 ALLOWED = {
     "common": {"common"},
@@ -46,17 +50,31 @@ FORBIDDEN_AT_IMPORT = {
     "core": {"torch", "cupy"},
     "frontend": {"torch", "cupy"},
 }
+# What an import of one of the engine's packages by its bare name is reported as.
+BARE = "bare:"
+
+
+def package_of(module: str) -> str:
+    """The package of ours (or the third-party distribution) an absolute module name names:
+    `core_engine.core.x` -> "core"; an engine package by its bare name, which the installed
+    engine does not have (`core.x`), -> "bare:core"."""
+    parts = module.split(".")
+    if parts[0] == NAMESPACE and len(parts) > 1:
+        return parts[1]
+    if parts[0] in PRODUCT_PACKAGES:
+        return BARE + parts[0]
+    return parts[0]
 
 
 def imported_packages(tree: ast.AST, top_level_only: bool = False) -> set[str]:
-    """First components of the absolute module names `tree` imports."""
+    """`package_of` each absolute module name `tree` imports."""
     nodes = tree.body if top_level_only else ast.walk(tree)
     names = set()
     for node in nodes:
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(package_of(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(package_of(node.module))
     return names
 
 
@@ -67,8 +85,11 @@ def violations(package: str) -> list[str]:
         allowed = set(ALLOWED[package])
         if package == "tests" and path.name in SCRIPT_TESTS:
             allowed.add("scripts")
-        for name in sorted(imported_packages(tree) & set(OURS) - allowed):
+        imported = imported_packages(tree)
+        for name in sorted(imported & set(OURS) - allowed):
             found.append(f"{path.relative_to(ROOT)} imports {name}")
+        for name in sorted(n for n in imported if n.startswith(BARE)):
+            found.append(f"{path.relative_to(ROOT)} imports {name} outside {NAMESPACE}")
         forbidden = FORBIDDEN_AT_IMPORT.get(package, set())
         for name in sorted(imported_packages(tree, top_level_only=True) & forbidden):
             found.append(f"{path.relative_to(ROOT)} imports {name} at module level")
@@ -96,7 +117,7 @@ def imported_modules(tree: ast.AST) -> set[str]:
 def kernel_package_violations() -> list[str]:
     found = []
     for package in SEPARATE_KERNEL_PACKAGES:
-        others = [p for p in SEPARATE_KERNEL_PACKAGES if p != package]
+        others = [f"{NAMESPACE}.{p}" for p in SEPARATE_KERNEL_PACKAGES if p != package]
         folder = ROOT.joinpath(*package.split("."))
         for path in sorted(folder.rglob("*.py")):
             for module in sorted(imported_modules(ast.parse(path.read_text(), str(path)))):
@@ -110,28 +131,28 @@ def test_cpu_and_cuda_kernels_do_not_import_each_other():
 
 
 def test_kernel_package_checker_sees_a_cross_import():
-    tree = ast.parse("from kernels.cuda import backend\nimport kernels.cpu.kernel_loader\n")
-    assert {"kernels.cuda.backend", "kernels.cpu.kernel_loader"} <= imported_modules(tree)
+    source = "from core_engine.kernels.cuda import backend\nimport core_engine.kernels.cpu.x\n"
+    modules = imported_modules(ast.parse(source))
+    assert {"core_engine.kernels.cuda.backend", "core_engine.kernels.cpu.x"} <= modules
 
 
-def test_tooling_is_not_shipped():
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    include_line = next(line for line in pyproject.splitlines() if line.startswith("include = "))
-    assert "tools" not in include_line and '"kernels*"' in include_line
-
-
-PRODUCT_PACKAGES = ("common", "proto", "core", "worker", "kernels", "frontend")
+def test_only_the_engine_is_shipped_and_only_under_its_namespace():
+    setup_source = (ROOT / "setup.py").read_text()
+    shipped = ast.literal_eval(re.search(r"^PACKAGES = (\(.*?\))$", setup_source, re.M).group(1))
+    assert shipped == PRODUCT_PACKAGES  # no tools, scripts, tests or benchmarks
+    assert re.search(rf'^NAMESPACE = "{NAMESPACE}"$', setup_source, re.M)
 
 
 def product_modules() -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the shipped packages."""
+    """Dotted module name (as installed, core_engine.<package>...) -> file, for every module
+    of the shipped packages."""
     modules = {}
     for package in PRODUCT_PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            modules[".".join(parts)] = path
+            modules[".".join([NAMESPACE, *parts])] = path
     return modules
 
 
@@ -189,26 +210,31 @@ def test_no_module_of_the_engine_imports_itself_in_a_circle():
 def test_cycle_finder_sees_a_circle_through_a_lazy_import():
     graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}, "b": set()}
     assert import_cycles(graph) == [["a.x", "a.y", "a.z"]]
-    tree = ast.parse("def f():\n    from worker.gguf_loader import gguf_model_config\n")
-    assert "worker.gguf_loader" in imported_modules(tree)
+    tree = ast.parse("def f():\n    from core_engine.worker.x import y\n")
+    assert "core_engine.worker.x" in imported_modules(tree)
 
 
-def test_checker_sees_a_forbidden_import():
-    source = "import os\ndef f():\n    from worker.worker import Worker\nfrom torch import nn\n"
+def test_checker_sees_a_forbidden_import_and_a_bare_engine_name():
+    source = (
+        "import os\ndef f():\n    from core_engine.worker.worker import Worker\n"
+        "from torch import nn\nimport proto.codec\n"
+    )
     tree = ast.parse(source)
-    assert imported_packages(tree) == {"os", "worker", "torch"}
-    assert imported_packages(tree, top_level_only=True) == {"os", "torch"}
+    assert imported_packages(tree) == {"os", "worker", "torch", "bare:proto"}
+    assert imported_packages(tree, top_level_only=True) == {"os", "torch", "bare:proto"}
 
 
 BLOCKER = """
 import sys
 class Blocker:
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('torch', 'cupy', 'worker', 'kernels'):
+        if name.split('.')[0] in ('torch', 'cupy') or name.startswith(
+            ('core_engine.worker', 'core_engine.kernels')
+        ):
             raise ImportError(f'{name} must not be imported by core')
 sys.meta_path.insert(0, Blocker())
 import importlib, pkgutil
-import common, core, proto
+import core_engine.common as common, core_engine.core as core, core_engine.proto as proto
 for package in (common, core, proto):
     for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):
         if not module.name.endswith('__main__'):
@@ -228,7 +254,10 @@ def test_core_imports_without_torch_or_cupy():
 
 
 def test_blocker_really_blocks():
-    probe = BLOCKER.replace("import common, core, proto", "import torch")
+    probe = BLOCKER.replace(
+        "import core_engine.common as common, core_engine.core as core, core_engine.proto as proto",
+        "import torch",
+    )
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
     )

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
-from core.engine_core import start_engine_core
-from core.in_process_engine import InProcessEngine
-from proto import SamplingParams, WorkerReady
-from proto.engine_config import EngineConfig
-from proto.sampling_params import StructuredOutputs, stop_on_eos
-from worker.local_executor import LocalExecutor
-from worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE
+from core_engine.core.engine_core import start_engine_core
+from core_engine.core.in_process_engine import InProcessEngine
+from core_engine.proto import SamplingParams, WorkerReady
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.sampling_params import StructuredOutputs, stop_on_eos
+from core_engine.worker.local_executor import LocalExecutor
+from core_engine.worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE
 
 NULL_CONFIG = EngineConfig(model="null", max_model_len=256, num_gpu_blocks_override=64)
 

@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 import torch
-
-from proto import SamplingParams
-from worker.input_batch import CachedRequestState, InputBatch
+from core_engine.proto import SamplingParams
+from core_engine.worker.input_batch import CachedRequestState, InputBatch
 
 CPU = torch.device("cpu")
 

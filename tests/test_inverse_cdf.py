@@ -5,8 +5,7 @@ sum over the whole vocabulary would lose."""
 import math
 
 import torch
-
-from worker.inverse_cdf import CHUNK, sample_inverse_cdf
+from core_engine.worker.sample.inverse_cdf import CHUNK, sample_inverse_cdf
 
 
 def _distribution_with_holes(vocab_size: int, seed: int = 0) -> torch.Tensor:

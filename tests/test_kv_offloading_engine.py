@@ -7,11 +7,11 @@ from __future__ import annotations
 import re
 
 import pytest
+from core_engine.common.block_hash import PREFIX_HASH_SEED_ENV
+from core_engine.frontend import EngineClient
+from core_engine.proto import SamplingParams
+from core_engine.proto.engine_config import EngineConfig
 
-from common.block_hash import PREFIX_HASH_SEED_ENV
-from frontend import EngineClient
-from proto import SamplingParams
-from proto.engine_config import EngineConfig
 from tests.engine_helpers import in_process_engine
 
 BLOCK_SIZE = 16
@@ -95,8 +95,8 @@ def test_kv_offloading_size_alone_means_the_offloading_connector_and_survives_th
 
 
 def test_the_tier_metrics_have_vllms_names_under_our_prefix():
-    from frontend.metrics import EngineMetrics
-    from proto import SchedulerStats
+    from core_engine.frontend.metrics import EngineMetrics
+    from core_engine.proto import SchedulerStats
 
     stats = SchedulerStats(
         external_prefix_cache_queries=100,

@@ -9,17 +9,16 @@ import os
 
 import pytest
 import torch
-
-from proto.kv_transfer import (
+from core_engine.proto.kv_transfer import (
     BlockLoad,
     BlockStore,
     OffloadingConnectorMetadata,
     RequestLoad,
 )
-from worker.kv_connector.disk_kv_tier import DiskKVTier
-from worker.kv_connector.kv_block_file import KVBlockFileError, read_block_file
-from worker.kv_connector.kv_block_layout import KVBlockLayout
-from worker.kv_connector.offloading_connector_worker import OffloadingConnectorWorker
+from core_engine.worker.kv_connector.disk_kv_tier import DiskKVTier
+from core_engine.worker.kv_connector.kv_block_file import KVBlockFileError, read_block_file
+from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
+from core_engine.worker.kv_connector.offloading_connector_worker import OffloadingConnectorWorker
 
 LAYOUT = KVBlockLayout(
     model="/models/tiny.gguf (LlamaForCausalLM)",

@@ -10,12 +10,11 @@ import sys
 
 import msgspec
 import pytest
-
-from common.block_hash import NONE_HASH, prompt_block_hashes, transfer_block_hashes
-from proto import EngineCoreOutput, SamplingParams
-from proto.engine_config import EngineConfig
-from proto.kv_transfer import KVTransferConfig
-from proto.kv_transfer_params import KVTransferParams
+from core_engine.common.block_hash import NONE_HASH, prompt_block_hashes, transfer_block_hashes
+from core_engine.proto import EngineCoreOutput, SamplingParams
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.kv_transfer import KVTransferConfig
+from core_engine.proto.kv_transfer_params import KVTransferParams
 
 REMOTE = {
     "do_remote_prefill": True,

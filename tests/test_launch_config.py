@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from common.math_utils import cdiv
-from kernels.cuda import launch_config as lc
+from core_engine.common.math_utils import cdiv
+from core_engine.kernels.cuda import launch_config as lc
 
 H100_SMS = 132
 

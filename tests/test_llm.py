@@ -14,8 +14,7 @@ import threading
 import time
 
 import pytest
-
-from frontend import (
+from core_engine.frontend import (
     LLM,
     AsyncEngineClient,
     EngineClient,
@@ -23,8 +22,9 @@ from frontend import (
     SamplingParams,
     ServiceStoppedError,
 )
-from frontend.text.null_tokenizer import NullTokenizer
-from proto.engine_config import EngineConfig
+from core_engine.frontend.text.null_tokenizer import NullTokenizer
+from core_engine.proto.engine_config import EngineConfig
+
 from tests.engine_death import assert_cut_off_outputs, engine_worker_pids, kill_once_generating
 
 NULL_TOKEN_TEXT = "*"

@@ -11,9 +11,8 @@ import threading
 import time
 
 import pytest
-
-from proto import MessageDecoder, MessageEncoder, SchedulerOutput, Shutdown
-from proto.message_pipe import (
+from core_engine.proto import MessageDecoder, MessageEncoder, SchedulerOutput, Shutdown
+from core_engine.proto.message_pipe import (
     HEADER,
     READ_BUFFER_BYTES,
     MessagePipe,
@@ -167,7 +166,7 @@ def test_bad_frames_are_refused_before_anything_is_sent(pipes):
 
 CHILD_ECHO = """
 import sys
-from proto.message_pipe import MessagePipe, PeerClosedError
+from core_engine.proto.message_pipe import MessagePipe, PeerClosedError
 pipe = MessagePipe.from_fd(int(sys.argv[1]))
 try:
     while True:

@@ -7,20 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from common.eos_tokens import tokenizer_eos_token_id
-from common.model_files import default_model_path, resolve_model_path
-from tests.model_fixtures import build_tiny_model_folder
-from worker.layers import (
+from core_engine.common.eos_tokens import tokenizer_eos_token_id
+from core_engine.common.model_files import default_model_path, resolve_model_path
+from core_engine.worker.model_executor.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from worker.model_config import model_config_from_dicts
-from worker.model_loader import load_model, load_model_config
+from core_engine.worker.model_executor.model_config import model_config_from_dicts
+from core_engine.worker.model_executor.model_loader import load_model, load_model_config
+from safetensors.torch import load_file, save_file
+
+from tests.model_fixtures import build_tiny_model_folder
 
 CPU = torch.device("cpu")
 
@@ -284,7 +284,7 @@ def test_tied_checkpoint_may_also_store_lm_head(tmp_path):
 
 def test_cpu_lm_head_in_row_slices_equals_one_matmul(monkeypatch):
     """The CPU LM head computes the vocabulary in slices (the last one short); same logits."""
-    monkeypatch.setattr("worker.layers.CPU_LOGITS_ROWS_PER_MATMUL", 4)
+    monkeypatch.setattr("core_engine.worker.model_executor.layers.CPU_LOGITS_ROWS_PER_MATMUL", 4)
     head = ParallelLMHead(11, 8)
     head.weight.weight_loader(head.weight, torch.randn(11, 8))
     hidden = torch.randn(5, 8)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from core_engine.common.model_files import default_model_path
+from core_engine.worker.model_executor.model_loader import load_model
 
-from common.model_files import default_model_path
 from tests.model_fixtures import (
     TINY_VARIANTS,
     build_paged_batch,
@@ -23,7 +24,6 @@ from tests.model_fixtures import (
     write_gguf_from_transformers_model,
 )
 from tools.reference_model import converted_default_model_folder
-from worker.model_loader import load_model
 
 MAX_ABS_DIFF = 1e-3
 GGUF_ARCH_TO_ARCHITECTURE = {

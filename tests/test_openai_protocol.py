@@ -7,12 +7,11 @@ import logging
 from pathlib import Path
 
 import pytest
+from core_engine.frontend.openai.protocol.chat import CHAT_NOT_SUPPORTED, ChatCompletionRequest
+from core_engine.frontend.openai.protocol.completions import CompletionRequest
+from core_engine.frontend.openai.protocol.sampling_fields import IGNORED, NOT_SUPPORTED
+from core_engine.proto.sampling_params import StructuredOutputs
 from pydantic import ValidationError
-
-from frontend.openai.protocol.chat import CHAT_NOT_SUPPORTED, ChatCompletionRequest
-from frontend.openai.protocol.completions import CompletionRequest
-from frontend.openai.protocol.sampling_fields import IGNORED, NOT_SUPPORTED
-from proto.sampling_params import StructuredOutputs
 
 REFUSED_VALUES = {
     "functions": [{"name": "f"}],
@@ -125,7 +124,7 @@ def test_two_output_constraints_or_a_schema_without_its_type_are_refused():
 
 
 def test_unknown_fields_are_accepted_and_logged_once_and_the_ignored_ones_accepted(caplog):
-    with caplog.at_level(logging.WARNING, logger="frontend.openai.protocol.base"):
+    with caplog.at_level(logging.WARNING, logger="core_engine.frontend.openai.protocol.base"):
         CompletionRequest(**COMPLETION, some_new_field=0.5)
         CompletionRequest(**COMPLETION, some_new_field=0.7)
     logged = [r for r in caplog.records if "some_new_field" in r.getMessage()]

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
-from frontend.output_processor import (
+from core_engine.frontend.output_processor import (
     OutputProcessor,
     core_request_ids,
     find_stop_string,
     num_stop_prefix_chars,
 )
-from frontend.text.null_tokenizer import NullTokenizer
-from proto import EngineCoreOutput, FinishReason, SamplingParams, TokenLogprobs
+from core_engine.frontend.text.null_tokenizer import NullTokenizer
+from core_engine.proto import EngineCoreOutput, FinishReason, SamplingParams, TokenLogprobs
 
 TOKENIZER = NullTokenizer()
 

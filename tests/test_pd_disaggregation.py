@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from core_engine.common.ports import find_free_port
 
-from common.ports import find_free_port
 from tests.server_process import ServerProcess, descendant_pids, wait_until
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ class Proxy:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [
-                sys.executable, "-m", "frontend.openai.pd_proxy_cli",
+                sys.executable, "-m", "core_engine.frontend.openai.pd_proxy_cli",
                 "--prefill", prefill_url, "--decode", decode_url,
                 "--host", "127.0.0.1", "--port", str(self.port),
             ],

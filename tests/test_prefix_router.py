@@ -8,18 +8,18 @@ import subprocess
 import sys
 
 import pytest
-
-from common.block_hash import (
+from core_engine.common.block_hash import (
     NONE_HASH,
     PREFIX_HASH_SEED_ENV,
     compact_block_hash,
     prompt_block_hashes,
     seed_from_env,
 )
-from core.block_pool import BlockPool
-from core.kv_cache_events import KVCacheEventLog
-from frontend.prefix_router import CoreCacheMirror, PrefixAwareRouter
-from proto import KVCacheEvents
+from core_engine.core.kv_cache.block_pool import BlockPool
+from core_engine.core.kv_cache.kv_cache_events import KVCacheEventLog
+from core_engine.frontend.prefix_router import CoreCacheMirror, PrefixAwareRouter
+from core_engine.proto import KVCacheEvents
+
 from tests.core_factories import make_request
 
 BLOCK = 4

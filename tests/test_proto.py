@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
-from proto import (
+from core_engine.proto import (
     AbortRequests,
     CachedRequestData,
     EngineCoreOutput,
@@ -25,7 +24,7 @@ from proto import (
     UtilityRequest,
     UtilityResponse,
 )
-from proto.codec import MESSAGE_TYPES, TYPE_TO_CODE
+from core_engine.proto.codec import MESSAGE_TYPES, TYPE_TO_CODE
 
 
 def sample_messages():

@@ -10,9 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from common.ray_placement import missing_resources, worker_bundles
-from proto.engine_config import EngineConfig
+from core_engine.common.ray_placement import missing_resources, worker_bundles
+from core_engine.proto.engine_config import EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +75,7 @@ def test_the_ray_flags_reach_the_config():
 
 
 def test_the_llm_constructor_passes_the_backend_to_the_config():
-    from frontend.llm import LLM
+    from core_engine.frontend.llm import LLM
 
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         LLM(model="null", distributed_executor_backend="slurm")
@@ -154,10 +153,11 @@ def test_the_mp_path_never_imports_ray():
                     raise ImportError("ray is blocked in this test")
 
         sys.meta_path.insert(0, NoRay())
-        import core.engine_core_proc, frontend, frontend.data_parallel_client
-        from core.engine_core import start_engine_core
-        from core.executor_factory import make_executor
-        from proto.engine_config import EngineConfig
+        import core_engine.core.engine_core_proc, core_engine.frontend
+        import core_engine.frontend.data_parallel_client
+        from core_engine.core.engine_core import start_engine_core
+        from core_engine.core.executor.executor_factory import make_executor
+        from core_engine.proto.engine_config import EngineConfig
 
         config = EngineConfig(model="null", tensor_parallel_size=2, num_gpu_blocks_override=512)
         executor = make_executor(config)

@@ -5,10 +5,10 @@ seeds reproduce, logprobs are those of the kept tokens' own rows."""
 import numpy as np
 import pytest
 import torch
+from core_engine.worker.sample.rejection_sampler import RejectionSampler
+from core_engine.worker.sample.sampler import Sampler
 
 from tests.test_sampler import make_metadata, random_logits
-from worker.rejection_sampler import RejectionSampler
-from worker.sampler import Sampler
 
 CPU = torch.device("cpu")
 VOCAB = 50

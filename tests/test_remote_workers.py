@@ -36,12 +36,11 @@ from typing import IO
 
 import msgspec
 import pytest
-
-from common.ports import find_free_port
-from common.process_watch import python_module_command
-from core.multiproc_executor import MultiprocExecutor
-from frontend.core_client import AsyncCoreClient, EngineDeadError
-from proto import (
+from core_engine.common.ports import find_free_port
+from core_engine.common.process_watch import python_module_command
+from core_engine.core.executor.multiproc_executor import MultiprocExecutor
+from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
+from core_engine.proto import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
@@ -52,17 +51,18 @@ from proto import (
     WorkerRejected,
     WorkerWelcome,
 )
-from proto.engine_config import EngineConfig
-from proto.message_pipe import (
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.message_pipe import (
     DEAD_PEER_TIMEOUT_S,
     KEEPALIVE_IDLE_S,
     MessagePipe,
     configure_tcp_link,
 )
-from proto.worker_messages import WORKER_PROTOCOL_VERSION
+from core_engine.proto.worker_messages import WORKER_PROTOCOL_VERSION
+from core_engine.worker.null_worker import NULL_TOKEN_ID
+
 from tests.engine_helpers import generate_token_ids
 from tests.test_engine_processes import child_pids, is_alive
-from worker.null_worker import NULL_TOKEN_ID
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -102,7 +102,7 @@ class Host:
     def start_worker(
         self, core_address: str, rank: int, world_size: int, *flags: str
     ) -> RemoteWorker:
-        argv = [*python_module_command("worker"), "--core-address", core_address]
+        argv = [*python_module_command("core_engine.worker"), "--core-address", core_address]
         argv += ["--rank", str(rank), "--world-size", str(world_size), *flags]
         if self.netns is not None:
             argv = ["ip", "netns", "exec", self.netns, *argv]  # execs: the pid is Python's
@@ -315,7 +315,7 @@ def test_worker_placement_is_validated_with_the_values(fields, message):
 
 
 def test_the_placement_flags_reach_the_config():
-    from frontend.openai.cli import parse_args
+    from core_engine.frontend.openai.cli import parse_args
 
     config, _, _ = parse_args(
         [
@@ -360,14 +360,14 @@ def test_a_worker_address_in_use_fails_before_any_worker_starts():
 
 
 def test_gloo_is_pointed_at_the_interface_toward_the_rendezvous_host():
-    from worker.parallel_state import gloo_interface_toward
+    from core_engine.worker.parallel_state import gloo_interface_toward
 
     assert gloo_interface_toward("127.0.0.1") == "lo"
 
 
 LINK_WATCHER = """
 import socket, sys, time
-from common.process_watch import exit_when_disconnected
+from core_engine.common.process_watch import exit_when_disconnected
 link = socket.socket(fileno=int(sys.argv[1]))
 exit_when_disconnected(link.fileno(), 5.0, "the other end")
 print("watching", flush=True)
@@ -410,7 +410,10 @@ def test_a_process_busy_elsewhere_exits_when_the_other_end_of_its_link_closes():
 def test_the_worker_command_line_takes_a_core_address_or_a_pipe(argv, message):
     argv = ["--rank", "0", "--world-size", "1", *argv]
     result = subprocess.run(
-        [*python_module_command("worker"), *argv], capture_output=True, text=True, timeout=60
+        [*python_module_command("core_engine.worker"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2 and message in result.stderr
 

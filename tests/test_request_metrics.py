@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from core_engine.frontend.metrics import FINISHED_REASONS
 
-from frontend.metrics import FINISHED_REASONS
 from tests.server_process import ServerProcess, descendant_pids, wait_until
 
 NULL_ARGS = ["--model", "null", "--max-model-len", "65536", "--num-gpu-blocks-override", "8192"]
@@ -92,7 +92,7 @@ def engine_worker_pid(server: ServerProcess) -> int:
     (pid,) = [
         pid
         for pid in descendant_pids(server.process.pid)
-        if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"core_engine.worker" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     ]
     return pid
 

@@ -4,8 +4,12 @@ import math
 
 import pytest
 import torch
-
-from worker.sampler import RowPenalties, Sampler, SamplingMetadata, _apply_penalties
+from core_engine.worker.sample.sampler import (
+    RowPenalties,
+    Sampler,
+    SamplingMetadata,
+    _apply_penalties,
+)
 
 CPU = torch.device("cpu")
 VOCAB = 50

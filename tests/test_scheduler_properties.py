@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from core_engine.core.kv_cache.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+)
+from core_engine.core.request import RequestStatus
+from core_engine.proto.speculative_config import SpeculativeConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-from core.request import RequestStatus
-from proto.speculative_config import SpeculativeConfig
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request, make_scheduler
 
 actions = st.lists(

@@ -13,8 +13,8 @@ import collections
 import gguf
 import pytest
 import torch
+from core_engine.frontend.text.tokenizer import load_tokenizer, merges_from_scores
 
-from frontend.text.tokenizer import load_tokenizer, merges_from_scores
 from tests.test_tokenizer_parity import CORPUS
 
 SPACE = "\u2581"
@@ -160,7 +160,7 @@ def test_other_tokenizer_models_are_refused_with_the_supported_ones(tmp_path):
 def test_streamed_output_text_is_the_text_in_context(tokenizers_pair, text):
     """Each streamed piece keeps the space SentencePiece spells into it ("▁fox" -> " fox"),
     which decoding the output alone would strip."""
-    from frontend.text.detokenizer import IncrementalDetokenizer
+    from core_engine.frontend.text.detokenizer import IncrementalDetokenizer
 
     ours, _ = tokenizers_pair
     token_ids = ours.encode(text, add_special_tokens=False)
@@ -178,8 +178,9 @@ def test_an_engine_serves_a_sentencepiece_gguf_and_generates_like_transformers(t
     """Text in, text out through LLM: the prompt tokens and the greedy continuation of a
     random-weight Llama match transformers', and the text is the continuation in context."""
     transformers = pytest.importorskip("transformers")
-    from frontend.llm import LLM
-    from proto import SamplingParams
+    from core_engine.frontend.llm import LLM
+    from core_engine.proto import SamplingParams
+
     from tests.model_fixtures import write_gguf_from_transformers_model
 
     torch.manual_seed(0)

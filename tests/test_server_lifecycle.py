@@ -24,9 +24,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from core_engine.common.ports import find_free_port_pair
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.null_worker import NULL_TOKEN_ID
 
-from common.ports import find_free_port_pair
-from proto.engine_config import EngineConfig
 from tests.server_process import (
     STARTUP_TIMEOUT_S,
     ServerProcess,
@@ -34,7 +35,6 @@ from tests.server_process import (
     is_alive,
     wait_until,
 )
-from worker.null_worker import NULL_TOKEN_ID
 
 NULL_MAX_MODEL_LEN = 65536
 # The null model streams a few thousand tokens a second here: this outlasts every wait below.
@@ -74,7 +74,8 @@ def engine_pid(server: ServerProcess, module: str) -> int:
     (pid,) = [
         pid
         for pid in descendant_pids(server.process.pid)
-        if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if f"core_engine.{module}".encode()
+        in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     ]
     return pid
 
@@ -303,7 +304,7 @@ def test_a_busy_port_fails_at_once_naming_it_before_any_engine_starts(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "frontend.openai.cli",
+                "core_engine.frontend.openai.cli",
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -324,7 +325,7 @@ def test_core_serve_attaches_to_a_separately_started_core_and_starts_none(tmp_pa
     that core's one worker serves the requests, and core-serve starts no engine of its own."""
     address = f"ipc://{tmp_path}/engine"
     core = subprocess.Popen(
-        [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
+        [sys.executable, "-m", "core_engine.core", "--frontend-address", address, "--model", "null"]
     )
     server = ServerProcess(
         ["--model", "null", "--frontend-address", address, "--disable-log-stats"],
@@ -351,7 +352,7 @@ def test_core_serve_attaches_to_a_separately_started_core_and_starts_none(tmp_pa
 def test_engine_clients_attach_to_a_separately_started_core_and_start_none(transport, tmp_path):
     """EngineClient over tcp, AsyncEngineClient over ipc: the separately started core's one
     worker serves, and this process gains no engine process of its own."""
-    from frontend import AsyncEngineClient, EngineClient, SamplingParams
+    from core_engine.frontend import AsyncEngineClient, EngineClient, SamplingParams
 
     if transport == "tcp":
         address = f"tcp://127.0.0.1:{find_free_port_pair()}"
@@ -359,7 +360,7 @@ def test_engine_clients_attach_to_a_separately_started_core_and_start_none(trans
         address = f"ipc://{tmp_path}/engine"
     children_before = descendant_pids(os.getpid())
     core = subprocess.Popen(
-        [sys.executable, "-m", "core", "--frontend-address", address, "--model", "null"]
+        [sys.executable, "-m", "core_engine.core", "--frontend-address", address, "--model", "null"]
     )
     # The client's own config differs: the attached core's settings are the ones that count.
     config = EngineConfig(model="null", max_model_len=64)
@@ -391,7 +392,7 @@ def test_engine_clients_attach_to_a_separately_started_core_and_start_none(trans
 
 
 def test_attaching_to_an_address_where_no_core_answers_fails_in_time(tmp_path):
-    from frontend import EngineClient
+    from core_engine.frontend import EngineClient
 
     config = EngineConfig(model="null", startup_timeout_s=2.0)
     start = time.monotonic()

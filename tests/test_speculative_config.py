@@ -4,9 +4,8 @@ msgpack), every error naming the field."""
 import argparse
 
 import pytest
-
-from proto.engine_config import EngineConfig
-from proto.speculative_config import SpeculativeConfig
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.speculative_config import SpeculativeConfig
 
 
 def parse_flags(*argv: str) -> EngineConfig:

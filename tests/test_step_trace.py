@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import io
 
-from core.step_trace import STEP_TRACE_ENV, StepTrace, read_step_trace
-from frontend import AsyncEngineClient
-from proto import SamplingParams, SchedulerOutput
-from proto.engine_config import EngineConfig
+from core_engine.core.step_trace import STEP_TRACE_ENV, StepTrace, read_step_trace
+from core_engine.frontend import AsyncEngineClient
+from core_engine.proto import SamplingParams, SchedulerOutput
+from core_engine.proto.engine_config import EngineConfig
 
 
 def test_a_record_counts_tokens_requests_and_decodes(tmp_path):

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from core_engine.common.grammars import build_grammar, xgrammar
+from core_engine.proto import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from core_engine.proto.sampling_params import StructuredOutputs
+from core_engine.worker.model_runner import ModelRunner
+from core_engine.worker.structured_outputs import StructuredOutputManager
 from tokenizers import Tokenizer
 
-from common.grammars import build_grammar, xgrammar
-from proto import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from proto.sampling_params import StructuredOutputs
 from tests.model_fixtures import write_byte_level_tokenizer
-from worker.model_runner import ModelRunner
-from worker.structured_outputs import StructuredOutputManager
 
 VOCAB_SIZE = 320
 EOS_TOKEN_ID = 0  # <|endoftext|>

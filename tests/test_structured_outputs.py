@@ -12,19 +12,19 @@ from dataclasses import dataclass
 import jsonschema
 import numpy
 import pytest
+from core_engine.common.grammars import build_grammar
+from core_engine.common.model_files import resolve_model_path
+from core_engine.core.engine_core import EngineCore
+from core_engine.core.in_process_engine import run_requests
+from core_engine.core.request import Request, RequestStatus
+from core_engine.frontend.structured_outputs import _problem, check_structured_outputs
+from core_engine.frontend.text.tokenizer import load_tokenizer
+from core_engine.proto import EngineCoreOutput, FinishReason, SamplingParams
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.sampling_params import StructuredOutputs
+from core_engine.worker.model_runner import GRAMMAR_WAIT_S
 
-from common.grammars import build_grammar
-from common.model_files import resolve_model_path
-from core.engine_core import EngineCore
-from core.in_process_engine import run_requests
-from core.request import Request, RequestStatus
-from frontend.structured_outputs import _problem, check_structured_outputs
-from frontend.text.tokenizer import load_tokenizer
-from proto import EngineCoreOutput, FinishReason, SamplingParams
-from proto.engine_config import EngineConfig
-from proto.sampling_params import StructuredOutputs
 from tests.engine_helpers import in_process_engine
-from worker.model_runner import GRAMMAR_WAIT_S
 
 PERSON = {
     "type": "object",

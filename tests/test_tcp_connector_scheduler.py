@@ -5,10 +5,10 @@ pull fails or the tokens differ."""
 
 from __future__ import annotations
 
-from common.block_hash import transfer_block_hashes
-from core.kv_connector.tcp_connector import TcpConnector
-from core.request import RequestStatus
-from proto.kv_transfer import (
+from core_engine.common.block_hash import transfer_block_hashes
+from core_engine.core.kv_connector.tcp_connector import TcpConnector
+from core_engine.core.request import RequestStatus
+from core_engine.proto.kv_transfer import (
     KV_ROLES,
     KVConnectorHandshake,
     KVConnectorOutput,
@@ -17,7 +17,8 @@ from proto.kv_transfer import (
     RequestSend,
     TcpConnectorMetadata,
 )
-from proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.kv_transfer_params import KVTransferParams
+
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request, make_scheduler
 
 HANDSHAKE = KVConnectorHandshake(

@@ -12,11 +12,15 @@ import time
 
 import pytest
 import torch
-
-from proto.kv_pull_messages import KVPullReply, encode_frame
-from proto.kv_transfer import KVTransferConfig, RequestPull, RequestSend, TcpConnectorMetadata
-from worker.kv_connector.kv_block_layout import KVBlockLayout
-from worker.kv_connector.tcp_connector_worker import TcpConnectorWorker
+from core_engine.proto.kv_pull_messages import KVPullReply, encode_frame
+from core_engine.proto.kv_transfer import (
+    KVTransferConfig,
+    RequestPull,
+    RequestSend,
+    TcpConnectorMetadata,
+)
+from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
+from core_engine.worker.kv_connector.tcp_connector_worker import TcpConnectorWorker
 
 LAYOUT = KVBlockLayout(
     model="/models/tiny.gguf (LlamaForCausalLM)",

@@ -24,13 +24,24 @@ import msgspec
 import pytest
 import torch
 import torch.multiprocessing
+from core_engine.common.config_error import ConfigError
+from core_engine.common.ports import find_free_port
+from core_engine.frontend import LLM, EngineDeadError
+from core_engine.frontend.core_client import AsyncCoreClient
+from core_engine.proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.memory_profiler import (
+    KV_CACHE_MEMORY_BYTES_ENV,
+    kv_cache_memory_bytes_from_env,
+)
+from core_engine.worker.model_executor.model_loader import load_model
+from core_engine.worker.model_executor.models import LlamaForCausalLM
+from core_engine.worker.parallel_state import (
+    destroy_distributed,
+    init_distributed,
+    share_cpu_threads,
+)
 
-from common.config_error import ConfigError
-from common.ports import find_free_port
-from frontend import LLM, EngineDeadError
-from frontend.core_client import AsyncCoreClient
-from proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
-from proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids
 from tests.model_fixtures import (
     build_paged_batch,
@@ -39,14 +50,6 @@ from tests.model_fixtures import (
     write_byte_level_tokenizer,
 )
 from tests.test_engine_processes import child_pids, is_alive
-from worker.memory_profiler import KV_CACHE_MEMORY_BYTES_ENV, kv_cache_memory_bytes_from_env
-from worker.model_loader import load_model
-from worker.models import LlamaForCausalLM
-from worker.parallel_state import (
-    destroy_distributed,
-    init_distributed,
-    share_cpu_threads,
-)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -108,8 +111,8 @@ def one_torch_thread():
 
 
 def test_cuda_ranks_need_one_gpu_each(monkeypatch):
-    from worker.worker import resolve_device
-    from worker.worker_factory import device_rank
+    from core_engine.worker.worker import resolve_device
+    from core_engine.worker.worker_factory import device_rank
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common.model_files import default_model_path
-from frontend.text.tokenizer import load_tokenizer
+from core_engine.common.model_files import default_model_path
+from core_engine.frontend.text.tokenizer import load_tokenizer
 
 
 def test_tokenizing_on_a_thread_does_not_hold_the_event_loop():

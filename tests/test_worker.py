@@ -6,18 +6,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_engine.kernels.cpu import backend as cpu_backend
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.proto import SamplingParams
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker import cpu_features, memory_profiler
+from core_engine.worker.cpu_features import (
+    default_cpu_dtype,
+    host_cpu_flags,
+    parse_cpu_flags,
+    simd_level,
+)
+from core_engine.worker.memory_profiler import GiB
+from core_engine.worker.model_executor import model_loader
+from core_engine.worker.worker import Worker, resolve_device, resolve_dtype
 
-import worker.model_loader
-from kernels.cpu import backend as cpu_backend
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from proto import SamplingParams
-from proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids
 from tests.tiny_causal_lm import VOCAB, TinyCausalLM
-from worker import cpu_features, memory_profiler
-from worker.cpu_features import default_cpu_dtype, host_cpu_flags, parse_cpu_flags, simd_level
-from worker.memory_profiler import GiB
-from worker.worker import Worker, resolve_device, resolve_dtype
 
 CPU = torch.device("cpu")
 
@@ -42,7 +47,7 @@ def tiny_loader(monkeypatch):
         calls.append((path, device, dtype, tp_rank, tp_size))
         return TinyCausalLM(), TinyConfig()
 
-    monkeypatch.setattr(worker.model_loader, "load_model", load_model)
+    monkeypatch.setattr(model_loader, "load_model", load_model)
     return calls
 
 

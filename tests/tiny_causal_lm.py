@@ -3,8 +3,7 @@
 import math
 
 import torch
-
-from kernels import AttentionMetadata, write_kv_and_attend
+from core_engine.kernels import AttentionMetadata, write_kv_and_attend
 
 VOCAB = 48
 MAX_MODEL_LEN = 64

@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kernels.cuda import launch_config as lc
-from kernels.cuda.module_loader import NVRTC_OPTIONS, load_source
-from kernels.cuda.occupancy import (
+from core_engine.kernels.cuda import launch_config as lc
+from core_engine.kernels.cuda.module_loader import NVRTC_OPTIONS, load_source
+from core_engine.kernels.cuda.occupancy import (
     DEFAULT_SHARED_BYTES,
     MAX_SHARED_BYTES_PER_CTA,
 )

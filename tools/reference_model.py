@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from common.model_files import default_model_path
+from core_engine.common.model_files import default_model_path
 
 CONVERTER_VERSION = 1
 COMPLETE_MARKER = ".complete"

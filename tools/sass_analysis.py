@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels.cuda import launch_config as lc
-from kernels.cuda.module_loader import KERNEL_DIR
+from core_engine.kernels.cuda import launch_config as lc
+from core_engine.kernels.cuda.module_loader import KERNEL_DIR
+
 from tools.kernel_resources import DECODE_SOURCE
 
 # ---- SASS: the decode key loop ------------------------------------------------------------------

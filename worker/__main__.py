@@ -25,9 +25,9 @@ import signal
 import sys
 import time
 
-from common.config_error import ConfigError
-from common.process_watch import exit_when_disconnected, exit_when_orphaned
-from proto import (
+from core_engine.common.config_error import ConfigError
+from core_engine.common.process_watch import exit_when_disconnected, exit_when_orphaned
+from core_engine.proto import (
     InitKVCache,
     KVCacheReady,
     MessageDecoder,
@@ -36,13 +36,13 @@ from proto import (
     Shutdown,
     WorkerError,
 )
-from proto.endpoints import parse_tcp_address
-from proto.engine_config import EngineConfig
-from proto.message_pipe import MessagePipe, PeerClosedError
-from worker.core_link import JoinError, join_core
-from worker.host_allocator import keep_freed_memory
-from worker.worker_factory import make_worker, worker_ready
-from worker.worker_protocol import WorkerProtocol
+from core_engine.proto.endpoints import parse_tcp_address
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.message_pipe import MessagePipe, PeerClosedError
+from core_engine.worker.core_link import JoinError, join_core
+from core_engine.worker.host_allocator import keep_freed_memory
+from core_engine.worker.worker_factory import make_worker, worker_ready
+from core_engine.worker.worker_protocol import WorkerProtocol
 
 logger = logging.getLogger("worker")
 
@@ -156,7 +156,7 @@ def _share_cpu_cores(config: EngineConfig, worker: WorkerProtocol, world_size: i
     data-parallel engine core (see `share_cpu_threads`)."""
     if config.is_null_model or worker.device.type != "cpu":
         return
-    from worker.parallel_state import share_cpu_threads
+    from core_engine.worker.parallel_state import share_cpu_threads
 
     share_cpu_threads(world_size * config.data_parallel_size)
 
@@ -164,7 +164,7 @@ def _share_cpu_cores(config: EngineConfig, worker: WorkerProtocol, world_size: i
 def _leave_process_group(config: EngineConfig, world_size: int) -> None:
     """A clean exit leaves the tensor-parallel group (NCCL warns about a group never destroyed)."""
     if world_size > 1 and not config.is_null_model:
-        from worker.parallel_state import destroy_distributed
+        from core_engine.worker.parallel_state import destroy_distributed
 
         destroy_distributed()
 

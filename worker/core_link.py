@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 
-from proto import (
+from core_engine.proto import (
     MessageDecodeError,
     MessageDecoder,
     MessageEncoder,
@@ -22,9 +22,9 @@ from proto import (
     WorkerRejected,
     WorkerWelcome,
 )
-from proto.endpoints import parse_tcp_address
-from proto.message_pipe import MessagePipe, PeerClosedError, configure_tcp_link
-from proto.worker_messages import WORKER_PROTOCOL_VERSION
+from core_engine.proto.endpoints import parse_tcp_address
+from core_engine.proto.message_pipe import MessagePipe, PeerClosedError, configure_tcp_link
+from core_engine.proto.worker_messages import WORKER_PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 

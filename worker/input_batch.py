@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from common.math_utils import cdiv
-from proto import SamplingParams
-from worker.block_table import MultiGroupBlockTable
-from worker.sampler import RowPenalties, SamplingMetadata
+from core_engine.common.math_utils import cdiv
+from core_engine.proto import SamplingParams
+from core_engine.worker.block_table import MultiGroupBlockTable
+from core_engine.worker.sample.sampler import RowPenalties, SamplingMetadata
 
 
 @dataclass(slots=True)

@@ -7,10 +7,10 @@ benchmarks run the engine this way.
 
 from __future__ import annotations
 
-from proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
-from proto.engine_config import EngineConfig
-from worker.worker_factory import make_worker, worker_ready
-from worker.worker_protocol import WorkerProtocol
+from core_engine.proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.worker_factory import make_worker, worker_ready
+from core_engine.worker.worker_protocol import WorkerProtocol
 
 
 class LocalExecutor:

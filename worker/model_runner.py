@@ -8,21 +8,20 @@ from typing import Protocol
 
 import numpy as np
 import torch
-
-from common.kv_cache_groups import KVCacheGroup
-from common.math_utils import cdiv, concatenated_ranges
-from kernels import AttentionMetadata
-from proto import (
+from core_engine.common.kv_cache_groups import KVCacheGroup
+from core_engine.common.math_utils import cdiv, concatenated_ranges
+from core_engine.kernels import AttentionMetadata
+from core_engine.proto import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     TokenLogprobs,
 )
-from worker.input_batch import CachedRequestState, InputBatch
-from worker.rejection_sampler import RejectionSampler
-from worker.sampler import Sampler, SamplingMetadata
-from worker.structured_outputs import StructuredOutputManager
+from core_engine.worker.input_batch import CachedRequestState, InputBatch
+from core_engine.worker.sample.rejection_sampler import RejectionSampler
+from core_engine.worker.sample.sampler import Sampler, SamplingMetadata
+from core_engine.worker.structured_outputs import StructuredOutputManager
 
 # Prompt positions whose logits are computed at once for prompt logprobs (a bound on the
 # [rows, vocab] float32 tensor a long prompt would otherwise need in one piece).

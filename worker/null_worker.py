@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.math_utils import cdiv
-from proto import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerReady
-from proto.engine_config import EngineConfig
+from core_engine.common.math_utils import cdiv
+from core_engine.proto import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerReady
+from core_engine.proto.engine_config import EngineConfig
 
 NULL_TOKEN_ID = 42
 NULL_VOCAB_SIZE = 32000

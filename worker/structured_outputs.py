@@ -48,12 +48,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from common.gguf_file import GGUFFile
-from common.grammars import build_grammar, xgrammar
-from common.json_file import read_json
-from common.model_files import TOKENIZER_FILE_NAME, is_gguf_file
-from proto.sampling_params import StructuredOutputs
+from core_engine.common.gguf_file import GGUFFile
+from core_engine.common.grammars import build_grammar, xgrammar
+from core_engine.common.json_file import read_json
+from core_engine.common.model_files import TOKENIZER_FILE_NAME, is_gguf_file
+from core_engine.proto.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

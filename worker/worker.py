@@ -6,26 +6,28 @@ import os
 from pathlib import Path
 
 import torch
-
-from common.config_error import ConfigError
-from common.dtypes import DTYPE_NAMES, torch_dtype
-from common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
-from common.math_utils import cdiv
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from kernels.cpu.huge_pages import empty_on_huge_pages
-from kernels.cuda.warmup import warmup
-from proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
-from proto.engine_config import DEVICES, EngineConfig
-from proto.kv_transfer import KVConnectorHandshake
-from worker.cpu_features import default_cpu_dtype
-from worker.cpu_linear import pack_linears
-from worker.kv_connector.kv_block_layout import KVBlockLayout
-from worker.kv_connector.kv_connector_factory import make_kv_connector_worker
-from worker.kv_connector.kv_connector_worker import KVConnectorWorker, execute_with_connector
-from worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
-from worker.model_runner import ModelRunner
-from worker.parallel_state import init_distributed
-from worker.structured_outputs import StructuredOutputManager
+from core_engine.common.config_error import ConfigError
+from core_engine.common.dtypes import DTYPE_NAMES, torch_dtype
+from core_engine.common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
+from core_engine.common.math_utils import cdiv
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.kernels.cpu.huge_pages import empty_on_huge_pages
+from core_engine.kernels.cuda.warmup import warmup
+from core_engine.proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
+from core_engine.proto.engine_config import DEVICES, EngineConfig
+from core_engine.proto.kv_transfer import KVConnectorHandshake
+from core_engine.worker.cpu_features import default_cpu_dtype
+from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
+from core_engine.worker.kv_connector.kv_connector_factory import make_kv_connector_worker
+from core_engine.worker.kv_connector.kv_connector_worker import (
+    KVConnectorWorker,
+    execute_with_connector,
+)
+from core_engine.worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
+from core_engine.worker.model_executor.cpu_linear import pack_linears
+from core_engine.worker.model_runner import ModelRunner
+from core_engine.worker.parallel_state import init_distributed
+from core_engine.worker.structured_outputs import StructuredOutputManager
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 1024}
 """Step token budget when none is given, by device type. A CPU prefills slowly, so a step of
@@ -86,8 +88,8 @@ class Worker:
     def load_model(self) -> None:
         """Resolves the model path, loads this rank's weights (on a CPU, linears pre-packed for
         oneDNN), fixes max_model_len."""
-        from common.model_files import resolve_model_path
-        from worker.model_loader import load_model
+        from core_engine.common.model_files import resolve_model_path
+        from core_engine.worker.model_executor.model_loader import load_model
 
         torch.manual_seed(self.config.seed)
         if self.device.type == "cuda":

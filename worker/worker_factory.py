@@ -6,9 +6,9 @@ worker here, so a config means the same worker in either.
 
 from __future__ import annotations
 
-from proto import WorkerReady
-from proto.engine_config import EngineConfig
-from worker.worker_protocol import WorkerProtocol
+from core_engine.proto import WorkerReady
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.worker_protocol import WorkerProtocol
 
 
 def make_worker(
@@ -17,11 +17,11 @@ def make_worker(
     """The NullWorker for model "null" (no torch import), else the real Worker (whose CPU KV
     budget CORE_ENGINE_KV_CACHE_MEMORY_BYTES may set, per rank). The model is not loaded yet."""
     if config.is_null_model:
-        from worker.null_worker import NullWorker
+        from core_engine.worker.null_worker import NullWorker
 
         return NullWorker(config, rank)
-    from worker.memory_profiler import kv_cache_memory_bytes_from_env
-    from worker.worker import Worker
+    from core_engine.worker.memory_profiler import kv_cache_memory_bytes_from_env
+    from core_engine.worker.worker import Worker
 
     return Worker(
         config,

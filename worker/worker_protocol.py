@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
-from proto.kv_transfer import KVConnectorHandshake
+from core_engine.proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
+from core_engine.proto.kv_transfer import KVConnectorHandshake
 
 
 class WorkerProtocol(Protocol):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.kv_cache_manager import KVCacheManager
-from core.request import Request, RequestStatus
-from proto.kv_transfer import KVConnectorOutput
+from core_engine.core.kv_cache.kv_cache_manager import KVCacheManager
+from core_engine.core.request import Request, RequestStatus
+from core_engine.proto.kv_transfer import KVConnectorOutput
 
 
 @dataclass(slots=True)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from core.kv_cache_manager import KVCacheBlocks
-from core.request import Request
-from proto import SchedulerOutput
-from proto.kv_transfer import KVConnectorMetadata, KVConnectorOutput
-from proto.kv_transfer_params import KVTransferParams
+from core_engine.core.kv_cache.kv_cache_manager import KVCacheBlocks
+from core_engine.core.request import Request
+from core_engine.proto import SchedulerOutput
+from core_engine.proto.kv_transfer import KVConnectorMetadata, KVConnectorOutput
+from core_engine.proto.kv_transfer_params import KVTransferParams
 
 
 class KVConnectorBase(Protocol):

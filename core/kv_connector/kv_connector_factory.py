@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 import os
 
-from common.block_hash import PREFIX_HASH_SEED_ENV, BlockHash
-from common.config_error import ConfigError
-from core.kv_cache_spec import KVCacheConfig
-from core.kv_connector.offloading_connector import OffloadingConnector
-from core.kv_connector.tcp_connector import TcpConnector
-from core.kv_connector.tier_index import TierIndex
-from proto import WorkerReady
-from proto.engine_config import EngineConfig
-from proto.kv_transfer import TCP_CONNECTOR, KVConnectorHandshake
+from core_engine.common.block_hash import PREFIX_HASH_SEED_ENV, BlockHash
+from core_engine.common.config_error import ConfigError
+from core_engine.core.kv_cache.kv_cache_spec import KVCacheConfig
+from core_engine.core.kv_connector.offloading_connector import OffloadingConnector
+from core_engine.core.kv_connector.tcp_connector import TcpConnector
+from core_engine.core.kv_connector.tier_index import TierIndex
+from core_engine.proto import WorkerReady
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.kv_transfer import TCP_CONNECTOR, KVConnectorHandshake
 
 logger = logging.getLogger(__name__)
 

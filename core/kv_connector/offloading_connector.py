@@ -17,19 +17,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.block_hash import BlockHash
-from core.kv_cache_manager import KVCacheBlocks
-from core.kv_connector.tier_index import TierIndex, TierIndexIntegrityError
-from core.request import Request
-from proto import SchedulerOutput
-from proto.kv_transfer import (
+from core_engine.common.block_hash import BlockHash
+from core_engine.core.kv_cache.kv_cache_manager import KVCacheBlocks
+from core_engine.core.kv_connector.tier_index import TierIndex, TierIndexIntegrityError
+from core_engine.core.request import Request
+from core_engine.proto import SchedulerOutput
+from core_engine.proto.kv_transfer import (
     BlockLoad,
     BlockStore,
     KVConnectorOutput,
     OffloadingConnectorMetadata,
     RequestLoad,
 )
-from proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.kv_transfer_params import KVTransferParams
 
 
 @dataclass(slots=True)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.block_hash import transfer_block_hashes
-from core.kv_cache_manager import KVCacheBlocks
-from core.request import Request, RequestStatus
-from proto import SchedulerOutput
-from proto.kv_transfer import (
+from core_engine.common.block_hash import transfer_block_hashes
+from core_engine.core.kv_cache.kv_cache_manager import KVCacheBlocks
+from core_engine.core.request import Request, RequestStatus
+from core_engine.proto import SchedulerOutput
+from core_engine.proto.kv_transfer import (
     KVConnectorHandshake,
     KVConnectorOutput,
     KVTransferConfig,
@@ -34,7 +34,7 @@ from proto.kv_transfer import (
     RequestSend,
     TcpConnectorMetadata,
 )
-from proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.kv_transfer_params import KVTransferParams
 
 
 class TcpConnectorIntegrityError(RuntimeError):

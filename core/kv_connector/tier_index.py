@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from common.block_hash import BlockHash
+from core_engine.common.block_hash import BlockHash
 
 
 class TierIndexIntegrityError(RuntimeError):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from core.request import Request
-from core.spec_decode.spec_decoding_stats import SpecDecodingStats
+from core_engine.core.request import Request
+from core_engine.core.spec_decode.spec_decoding_stats import SpecDecodingStats
 
 
 def roll_back_rejected_drafts(

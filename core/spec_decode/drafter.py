@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from core.request import Request
-from core.spec_decode.draft_length import AdaptiveDraftLength
-from core.spec_decode.ngram_proposer import NgramProposer
-from core.spec_decode.suffix_proposer import SuffixProposer
-from proto.speculative_config import SpeculativeConfig
+from core_engine.core.request import Request
+from core_engine.core.spec_decode.draft_length import AdaptiveDraftLength
+from core_engine.core.spec_decode.ngram_proposer import NgramProposer
+from core_engine.core.spec_decode.suffix_proposer import SuffixProposer
+from core_engine.proto.speculative_config import SpeculativeConfig
 
 
 class Proposer(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.request import Request
+from core_engine.core.request import Request
 
 
 @dataclass(slots=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from core.request import Request
-from core.spec_decode.suffix_index import SpeculationLimits, SuffixIndex
-from proto.speculative_config import SpeculativeConfig
+from core_engine.core.request import Request
+from core_engine.core.spec_decode.suffix_index import SpeculationLimits, SuffixIndex
+from core_engine.proto.speculative_config import SpeculativeConfig
 
 
 class SuffixProposer:

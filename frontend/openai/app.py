@@ -30,32 +30,31 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as distribution_version
 from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
-from pydantic import BaseModel
-
-from common.config_error import ConfigError
-from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError
-from frontend.core_client import EngineCoreNotFoundError, EngineDeadError
-from frontend.data_parallel_client import sum_stats
-from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from frontend.openai.api_error import APIError, add_error_handlers
-from frontend.openai.body_limit import BodySizeLimit
-from frontend.openai.chat import create_chat_completion
-from frontend.openai.completions import create_completion
-from frontend.openai.protocol.chat import ChatCompletionRequest
-from frontend.openai.protocol.completions import CompletionRequest
-from frontend.openai.protocol.models import ModelCard, ModelList, VersionResponse
-from frontend.openai.protocol.tokenize import (
+from core_engine.common.config_error import ConfigError
+from core_engine.frontend.async_engine_client import AsyncEngineClient, InvalidPromptError
+from core_engine.frontend.core_client import EngineCoreNotFoundError, EngineDeadError
+from core_engine.frontend.data_parallel_client import sum_stats
+from core_engine.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from core_engine.frontend.openai.api_error import APIError, add_error_handlers
+from core_engine.frontend.openai.body_limit import BodySizeLimit
+from core_engine.frontend.openai.chat import create_chat_completion
+from core_engine.frontend.openai.completions import create_completion
+from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
+from core_engine.frontend.openai.protocol.completions import CompletionRequest
+from core_engine.frontend.openai.protocol.models import ModelCard, ModelList, VersionResponse
+from core_engine.frontend.openai.protocol.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
-from frontend.openai.server_settings import ServerSettings
-from frontend.openai.web_ui import add_web_ui_routes
-from proto import SchedulerStats
-from proto.engine_config import EngineConfig
+from core_engine.frontend.openai.server_settings import ServerSettings
+from core_engine.frontend.openai.web_ui import add_web_ui_routes
+from core_engine.proto import SchedulerStats
+from core_engine.proto.engine_config import EngineConfig
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

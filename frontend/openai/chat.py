@@ -11,22 +11,23 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import msgspec
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
-
-from frontend.async_engine_client import AsyncEngineClient, InvalidPromptError, ServiceStoppedError
-from frontend.core_client import EngineDeadError
-from frontend.openai.api_error import APIError, request_failed_error, unavailable_error
-from frontend.openai.engine_requests import (
+from core_engine.frontend.async_engine_client import (
+    AsyncEngineClient,
+    InvalidPromptError,
+    ServiceStoppedError,
+)
+from core_engine.frontend.core_client import EngineDeadError
+from core_engine.frontend.openai.api_error import APIError, request_failed_error, unavailable_error
+from core_engine.frontend.openai.engine_requests import (
     check_output_constraint,
     sampling_params,
     submit,
     usage,
 )
-from frontend.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
-from frontend.openai.output_streams import final_outputs, merge_outputs
-from frontend.openai.protocol.base import ResponseHeader, UsageInfo, random_id
-from frontend.openai.protocol.chat import (
+from core_engine.frontend.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
+from core_engine.frontend.openai.output_streams import final_outputs, merge_outputs
+from core_engine.frontend.openai.protocol.base import ResponseHeader, UsageInfo, random_id
+from core_engine.frontend.openai.protocol.chat import (
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -35,12 +36,14 @@ from frontend.openai.protocol.chat import (
     ChatCompletionStreamResponse,
     DeltaMessage,
 )
-from frontend.openai.protocol.tools import DeltaFunctionCall, DeltaToolCall
-from frontend.openai.server_settings import ServerSettings
-from frontend.openai.sse import SSE_DONE, sse, sse_error
-from frontend.openai.tool_calls import ToolChoiceError, ToolPlan, plan_tools
-from frontend.request_output import CompletionOutput, RequestOutput
-from proto import SamplingParams
+from core_engine.frontend.openai.protocol.tools import DeltaFunctionCall, DeltaToolCall
+from core_engine.frontend.openai.server_settings import ServerSettings
+from core_engine.frontend.openai.sse import SSE_DONE, sse, sse_error
+from core_engine.frontend.openai.tool_calls import ToolChoiceError, ToolPlan, plan_tools
+from core_engine.frontend.request_output import CompletionOutput, RequestOutput
+from core_engine.proto import SamplingParams
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 
 async def create_chat_completion(

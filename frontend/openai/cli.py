@@ -13,10 +13,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from frontend.openai.http_server import PortInUseError, serve
-from frontend.openai.server_settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
-from frontend.openai.tool_calls import TOOL_CALL_PARSERS
-from proto.engine_config import EngineConfig
+from core_engine.frontend.openai.http_server import PortInUseError, serve
+from core_engine.frontend.openai.server_settings import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ServerSettings,
+)
+from core_engine.frontend.openai.tool_calls import TOOL_CALL_PARSERS
+from core_engine.proto.engine_config import EngineConfig
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_HOST = "0.0.0.0"

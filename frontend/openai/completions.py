@@ -7,34 +7,37 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
-
-from frontend.async_engine_client import (
+from core_engine.frontend.async_engine_client import (
     AsyncEngineClient,
     InvalidPromptError,
     Prompt,
     ServiceStoppedError,
 )
-from frontend.core_client import EngineDeadError
-from frontend.openai.api_error import APIError, request_failed_error, unavailable_error
-from frontend.openai.engine_requests import (
+from core_engine.frontend.core_client import EngineDeadError
+from core_engine.frontend.openai.api_error import APIError, request_failed_error, unavailable_error
+from core_engine.frontend.openai.engine_requests import (
     check_output_constraint,
     sampling_params,
     submit,
     usage,
 )
-from frontend.openai.logprobs import append_logprobs, echo_logprobs, vllm_prompt_logprobs
-from frontend.openai.output_streams import final_outputs, merge_outputs
-from frontend.openai.protocol.base import ResponseHeader, UsageInfo
-from frontend.openai.protocol.completions import (
+from core_engine.frontend.openai.logprobs import (
+    append_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
+from core_engine.frontend.openai.output_streams import final_outputs, merge_outputs
+from core_engine.frontend.openai.protocol.base import ResponseHeader, UsageInfo
+from core_engine.frontend.openai.protocol.completions import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
-from frontend.openai.sse import SSE_DONE, sse, sse_error
-from frontend.request_output import RequestOutput
+from core_engine.frontend.openai.sse import SSE_DONE, sse, sse_error
+from core_engine.frontend.request_output import RequestOutput
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 
 async def create_completion(

@@ -7,21 +7,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from pydantic import BaseModel
-
-from frontend.async_engine_client import (
+from core_engine.frontend.async_engine_client import (
     AsyncEngineClient,
     InvalidPromptError,
     Prompt,
     ServiceStoppedError,
 )
-from frontend.core_client import EngineDeadError
-from frontend.openai.api_error import APIError, unavailable_error
-from frontend.openai.protocol.base import UsageInfo
-from frontend.openai.protocol.chat import ChatCompletionRequest
-from frontend.openai.protocol.completions import CompletionRequest
-from frontend.request_output import RequestOutput
-from proto import SamplingParams
+from core_engine.frontend.core_client import EngineDeadError
+from core_engine.frontend.openai.api_error import APIError, unavailable_error
+from core_engine.frontend.openai.protocol.base import UsageInfo
+from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
+from core_engine.frontend.openai.protocol.completions import CompletionRequest
+from core_engine.frontend.request_output import RequestOutput
+from core_engine.proto import SamplingParams
+from pydantic import BaseModel
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from frontend.async_engine_client import AsyncEngineClient
-from frontend.data_parallel_client import sum_stats
-from frontend.openai.protocol.engine_state import EngineState
+from core_engine.frontend.async_engine_client import AsyncEngineClient
+from core_engine.frontend.data_parallel_client import sum_stats
+from core_engine.frontend.openai.protocol.engine_state import EngineState
 
 
 class EngineStateCache:

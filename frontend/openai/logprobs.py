@@ -3,12 +3,16 @@ prompt's tokens first), chat `logprobs.content`, and vLLM's `prompt_logprobs`.""
 
 from __future__ import annotations
 
-from frontend.async_engine_client import AsyncEngineClient
-from frontend.openai.protocol.base import PromptLogprob, PromptLogprobs
-from frontend.openai.protocol.chat import ChatChoiceLogprobs, ChatTokenLogprob, TopLogprob
-from frontend.openai.protocol.completions import CompletionLogprobs
-from frontend.request_output import CompletionOutput, RequestOutput
-from proto import TokenLogprobs
+from core_engine.frontend.async_engine_client import AsyncEngineClient
+from core_engine.frontend.openai.protocol.base import PromptLogprob, PromptLogprobs
+from core_engine.frontend.openai.protocol.chat import (
+    ChatChoiceLogprobs,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from core_engine.frontend.openai.protocol.completions import CompletionLogprobs
+from core_engine.frontend.request_output import CompletionOutput, RequestOutput
+from core_engine.proto import TokenLogprobs
 
 
 def _token_text(engine: AsyncEngineClient, token_id: int) -> str:

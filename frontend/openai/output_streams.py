@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from frontend.openai.api_error import request_failed_error
-from frontend.request_output import RequestOutput
+from core_engine.frontend.openai.api_error import request_failed_error
+from core_engine.frontend.request_output import RequestOutput
 
 
 async def merge_outputs(

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not url.startswith(("http://", "https://")):
             raise SystemExit(f"--{name} must be an http:// or https:// URL, got {url!r}")
     try:
-        from frontend.openai.pd_proxy import build_proxy_app
+        from core_engine.frontend.openai.pd_proxy import build_proxy_app
     except ModuleNotFoundError as exc:
         if exc.name != "httpx":
             raise

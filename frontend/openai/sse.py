@@ -3,10 +3,9 @@ a stream that fails carries an error event (OpenAI's error body) before it."""
 
 from __future__ import annotations
 
+from core_engine.frontend.openai.api_error import APIError
+from core_engine.frontend.openai.protocol.errors import ErrorResponse
 from pydantic import BaseModel
-
-from frontend.openai.api_error import APIError
-from frontend.openai.protocol.errors import ErrorResponse
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.openai.protocol.chat import ChatCompletionRequest
-from frontend.openai.protocol.tools import FunctionCall, ToolCall
-from proto.sampling_params import StructuredOutputs
+from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
+from core_engine.frontend.openai.protocol.tools import FunctionCall, ToolCall
+from core_engine.proto.sampling_params import StructuredOutputs
 
 TOOL_CALL_PARSERS = ("hermes",)
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -26,11 +26,10 @@ import sys
 from dataclasses import dataclass
 
 import torch
-
-from kernels import torch_reference
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from kernels.cpu.attention_args import attention_args
+from core_engine.kernels import torch_reference
+from core_engine.kernels.attention_metadata import AttentionMetadata
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.kernels.cpu.attention_args import attention_args
 
 # Above this many query tokens (more than a decode or a small chunk) a request is faster
 # through SDPA's blocked matmuls.

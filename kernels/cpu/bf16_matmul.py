@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from common.math_utils import round_up
-from kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.common.math_utils import round_up
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 
 PAIR_LANES = 16  # output columns per 64-byte vector of packed pairs
 OUTPUT_DTYPES = (torch.bfloat16, torch.float32)

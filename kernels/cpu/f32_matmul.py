@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from common.math_utils import round_up
-from kernels.cpu import kernel_loader as cpu_kernel_loader
-from kernels.cpu.huge_pages import HugePageArena, empty_on_huge_pages
+from core_engine.common.math_utils import round_up
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.kernels.cpu.huge_pages import HugePageArena, empty_on_huge_pages
 
 ALIGNMENT_BYTES = 64  # the kernel's aligned loads need 32; torch's CPU allocator gives 64
 

@@ -23,12 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from common.dtypes import DTYPE_NAMES, dtype_name
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cuda import launch_config as lc
-from kernels.cuda import occupancy
-from kernels.cuda.module_loader import default_loader
+from core_engine.common.dtypes import DTYPE_NAMES, dtype_name
+from core_engine.kernels.attention_metadata import AttentionMetadata
+from core_engine.kernels.cuda import launch_config as lc
+from core_engine.kernels.cuda import occupancy
+from core_engine.kernels.cuda.module_loader import default_loader
 
 LOG2E = 1.4426950408889634
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from common.math_utils import cdiv, round_up
+from core_engine.common.math_utils import cdiv, round_up
 
 MAX_GRID_Y = 65535
 MAX_HEAD_DIM = 256

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from common.math_utils import round_up
+from core_engine.common.math_utils import round_up
 
 MAX_REGISTERS_PER_THREAD = 255
 REGISTERS_PER_SM = 65536

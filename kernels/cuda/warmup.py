@@ -10,11 +10,10 @@ no request pays for building or loading the kernels.
 from __future__ import annotations
 
 import torch
-
-from common.math_utils import cdiv
-from kernels.attention import write_kv_and_attend
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cuda.launch_config import SplitPolicy
+from core_engine.common.math_utils import cdiv
+from core_engine.kernels.attention import write_kv_and_attend
+from core_engine.kernels.attention_metadata import AttentionMetadata
+from core_engine.kernels.cuda.launch_config import SplitPolicy
 
 # Long enough that a single request takes the split-KV path on any GPU.
 WARMUP_CONTEXT_LEN = 2 * SplitPolicy().min_keys_per_split

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from worker.kv_connector.kv_block_file import (
+from core_engine.worker.kv_connector.kv_block_file import (
     SUFFIX,
     TEMP_SUFFIX,
     KVBlockFileError,
@@ -24,7 +24,7 @@ from worker.kv_connector.kv_block_file import (
     read_block_header,
     write_block_file,
 )
-from worker.kv_connector.kv_block_layout import KVBlockLayout
+from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,7 @@ import struct
 from pathlib import Path
 
 import xxhash
-
-from worker.kv_connector.kv_block_layout import KVBlockLayout
+from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
 
 MAGIC = b"CEKVBLK1"
 MAX_HEADER_BYTES = 1 << 16

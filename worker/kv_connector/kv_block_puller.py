@@ -6,10 +6,13 @@ from __future__ import annotations
 import socket
 
 import msgspec
-
-from proto.kv_pull_messages import KVPull, KVPullReply, KVRelease
-from proto.kv_transfer import RequestPull
-from worker.kv_connector.kv_pull_socket import receive_exactly, receive_message, send_message
+from core_engine.proto.kv_pull_messages import KVPull, KVPullReply, KVRelease
+from core_engine.proto.kv_transfer import RequestPull
+from core_engine.worker.kv_connector.kv_pull_socket import (
+    receive_exactly,
+    receive_message,
+    send_message,
+)
 
 
 class KVPullError(RuntimeError):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-
-from proto.engine_config import EngineConfig
-from proto.kv_transfer import TCP_CONNECTOR
-from worker.kv_connector.disk_kv_tier import DiskKVTier
-from worker.kv_connector.kv_block_layout import KVBlockLayout
-from worker.kv_connector.offloading_connector_worker import OffloadingConnectorWorker
-from worker.kv_connector.tcp_connector_worker import TcpConnectorWorker
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.kv_transfer import TCP_CONNECTOR
+from core_engine.worker.kv_connector.disk_kv_tier import DiskKVTier
+from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
+from core_engine.worker.kv_connector.offloading_connector_worker import OffloadingConnectorWorker
+from core_engine.worker.kv_connector.tcp_connector_worker import TcpConnectorWorker
 
 GIB = 2**30
 

@@ -15,9 +15,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
-
-from proto import ModelRunnerOutput, SchedulerOutput
-from proto.kv_transfer import KVConnectorHandshake, KVConnectorMetadata, KVConnectorOutput
+from core_engine.proto import ModelRunnerOutput, SchedulerOutput
+from core_engine.proto.kv_transfer import (
+    KVConnectorHandshake,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+)
 
 
 class KVConnectorWorker(Protocol):

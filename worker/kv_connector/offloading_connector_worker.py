@@ -14,23 +14,22 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-
-from proto.kv_transfer import (
+from core_engine.proto.kv_transfer import (
     KVConnectorHandshake,
     KVConnectorOutput,
     OffloadingConnectorMetadata,
     RequestLoad,
 )
-from worker.kv_connector.disk_kv_tier import DiskKVTier
-from worker.kv_connector.host_kv_tier import (
+from core_engine.worker.kv_connector.disk_kv_tier import DiskKVTier
+from core_engine.worker.kv_connector.host_kv_tier import (
     HostKVTier,
     block_from_bytes,
     block_to_bytes,
     gather_device_blocks,
     scatter_device_blocks,
 )
-from worker.kv_connector.kv_block_file import KVBlockFileError
-from worker.kv_connector.kv_block_layout import KVBlockLayout
+from core_engine.worker.kv_connector.kv_block_file import KVBlockFileError
+from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
 
 
 class OffloadingConnectorWorker:

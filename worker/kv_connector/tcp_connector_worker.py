@@ -18,18 +18,17 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
-
-from proto.kv_transfer import (
+from core_engine.proto.kv_transfer import (
     KVConnectorHandshake,
     KVConnectorOutput,
     KVTransferConfig,
     RequestPull,
     TcpConnectorMetadata,
 )
-from worker.kv_connector.host_kv_tier import gather_device_blocks, scatter_device_blocks
-from worker.kv_connector.kv_block_layout import KVBlockLayout
-from worker.kv_connector.kv_block_puller import KVPullError, pull_blocks
-from worker.kv_connector.kv_block_server import KVBlockServer
+from core_engine.worker.kv_connector.host_kv_tier import gather_device_blocks, scatter_device_blocks
+from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
+from core_engine.worker.kv_connector.kv_block_puller import KVPullError, pull_blocks
+from core_engine.worker.kv_connector.kv_block_server import KVBlockServer
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from core_engine.frontend.text.unicode_text import find_text_not_utf8
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -19,8 +20,6 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
-
-from frontend.text.unicode_text import find_text_not_utf8
 
 logger = logging.getLogger(__name__)
 

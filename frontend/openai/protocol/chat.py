@@ -6,17 +6,26 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from core_engine.frontend.openai.protocol.base import (
+    OpenAIModel,
+    PromptLogprobs,
+    UsageInfo,
+    refusing,
+)
+from core_engine.frontend.openai.protocol.sampling_fields import SamplingFields
+from core_engine.frontend.openai.protocol.tools import (
+    DeltaToolCall,
+    NamedToolChoice,
+    ToolCall,
+    ToolDefinition,
+)
+from core_engine.proto import SamplingParams
+from core_engine.proto.sampling_params import MAX_LOGPROBS
 from pydantic import (
     BaseModel,
     Field,
     model_validator,
 )
-
-from frontend.openai.protocol.base import OpenAIModel, PromptLogprobs, UsageInfo, refusing
-from frontend.openai.protocol.sampling_fields import SamplingFields
-from frontend.openai.protocol.tools import DeltaToolCall, NamedToolChoice, ToolCall, ToolDefinition
-from proto import SamplingParams
-from proto.sampling_params import MAX_LOGPROBS
 
 CHAT_NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from core_engine.proto import KVBlockMap, KVBlockState, SchedulerStats
 from pydantic import BaseModel
-
-from proto import KVBlockMap, KVBlockState, SchedulerStats
 
 
 class KVBlockMapView(BaseModel):

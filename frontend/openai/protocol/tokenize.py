@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from core_engine.frontend.openai.protocol.base import NonNegativeInt, RequestBody
+from core_engine.frontend.openai.protocol.chat import ChatMessage
 from pydantic import (
     BaseModel,
     model_validator,
 )
-
-from frontend.openai.protocol.base import NonNegativeInt, RequestBody
-from frontend.openai.protocol.chat import ChatMessage
 
 
 class TokenizeRequest(RequestBody):
