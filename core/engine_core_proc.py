@@ -30,6 +30,7 @@ import time
 
 import msgspec
 import zmq
+
 from core_engine.common.config_error import ConfigError
 from core_engine.core.client_watch import ClientEvent, ClientWatch
 from core_engine.core.engine_core import (

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
+
 from core_engine.core.engine_core import (
     EngineCore,
     Executor,

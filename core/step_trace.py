@@ -14,6 +14,7 @@ import os
 from typing import TextIO
 
 import msgspec
+
 from core_engine.proto import SchedulerOutput
 
 STEP_TRACE_ENV = "CORE_ENGINE_STEP_TRACE"

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
 import msgspec
+
 from core_engine.common.model_files import resolve_model_path
 from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
 from core_engine.frontend.core_client_protocol import CoreClient

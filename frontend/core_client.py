@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
 from core_engine.common.config_error import ConfigError
 from core_engine.frontend.core_process import CoreLauncher, CoreProcess, LocalCoreLauncher
 from core_engine.frontend.request_output import RequestOutput
@@ -50,7 +52,6 @@ from core_engine.proto import (
 )
 from core_engine.proto.endpoints import PRIVATE_IPC_DIR_PREFIX, frontend_endpoints
 from core_engine.proto.engine_config import EngineConfig
-from zmq.utils.monitor import parse_monitor_message
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 import msgspec
+
 from core_engine.common.block_hash import PREFIX_HASH_SEED_ENV, SEED_BYTES
 from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
 from core_engine.frontend.prefix_router import PrefixAwareRouter

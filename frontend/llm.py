@@ -6,13 +6,14 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm import tqdm
+
 from core_engine.frontend.async_engine_client import Prompt
 from core_engine.frontend.core_client import EngineDeadError
 from core_engine.frontend.engine_client import EngineClient
 from core_engine.frontend.request_output import RequestOutput
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
-from tqdm import tqdm
 
 Message = dict[str, str]
 

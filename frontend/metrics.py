@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from core_engine.proto import SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from core_engine.proto import SchedulerStats
 
 METRIC_PREFIX = "core:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
 from core_engine.frontend.request_output import CompletionOutput, RequestOutput
 from core_engine.frontend.text.detokenizer import Decoder, IncrementalDetokenizer
 from core_engine.proto import (

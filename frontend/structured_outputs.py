@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import msgspec
+
 from core_engine.common.grammars import GrammarUnavailableError, build_grammar
 from core_engine.proto.sampling_params import StructuredOutputs
 

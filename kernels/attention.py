@@ -10,6 +10,7 @@ window, so a sliding-window layer runs on the same backend as a full-attention o
 from __future__ import annotations
 
 import torch
+
 from core_engine.kernels import torch_reference
 from core_engine.kernels.attention_metadata import AttentionMetadata
 from core_engine.kernels.cpu import backend as cpu_backend

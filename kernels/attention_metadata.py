@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from core_engine.kernels.step_plans import StepPlans
 
 

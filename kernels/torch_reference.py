@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from core_engine.common.math_utils import cdiv
 from core_engine.kernels.attention_metadata import AttentionMetadata
 

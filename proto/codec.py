@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
+
 from core_engine.proto.engine_messages import (
     AbortRequests,
     EngineCoreOutputs,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
 from core_engine.common.dtypes import DTYPE_NAMES
 from core_engine.common.human_readable_int import parse_human_readable_int
 from core_engine.proto.endpoints import is_wildcard_host, parse_tcp_address

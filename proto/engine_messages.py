@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 
 import msgspec
+
 from core_engine.proto.kv_transfer_params import KVTransferParams
 from core_engine.proto.sampling_params import SamplingParams
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from core_engine.proto.json_struct import parse_json_struct
 
 OFFLOADING_CONNECTOR = "OffloadingConnector"

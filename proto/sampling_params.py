@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 import msgspec
+
 from core_engine.proto.kv_transfer_params import KVTransferParams
 
 MAX_LOGPROBS = 20

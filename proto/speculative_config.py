@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from core_engine.proto.json_struct import parse_json_struct
 
 SPECULATIVE_METHODS = ("ngram", "suffix")

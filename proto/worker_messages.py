@@ -12,6 +12,7 @@ torch.distributed rendezvous) or `WorkerRejected` and a close. From then on the 
 from __future__ import annotations
 
 import msgspec
+
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.engine_messages import TokenLogprobs
 from core_engine.proto.kv_transfer import (

@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch
 import torch.nn.functional as F
+
 from core_engine.kernels import AttentionMetadata
 from core_engine.kernels.cuda import backend as cuda_backend
 from core_engine.kernels.cuda import launch_config as lc

@@ -74,6 +74,7 @@ def machine_info() -> dict:
     }
     with contextlib.suppress(ImportError):
         import torch
+
         from core_engine.worker.cpu_features import host_cpu_flags, simd_level
 
         info["torch"] = torch.__version__

@@ -49,7 +49,6 @@ from core_engine.proto import (
     SamplingParams,
 )
 from core_engine.proto.engine_config import EngineConfig
-
 from scripts.bench_common import (
     RESULTS_DIR,
     machine_info,

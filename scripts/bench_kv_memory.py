@@ -55,7 +55,6 @@ from core_engine.core.kv_cache.kv_cache_spec import (
 from core_engine.core.request import Request
 from core_engine.proto import SamplingParams
 from core_engine.worker.memory_profiler import KV_CACHE_MEMORY_BYTES_ENV
-
 from scripts.bench_common import (
     RESULTS_DIR,
     GenerationWorkload,
@@ -223,7 +222,6 @@ def measure_throughput(
 ) -> dict:
     """Hybrid vs all-full `LLM.generate` on one workload and one KV block budget."""
     from core_engine.frontend import LLM
-
     from scripts.bench_offline import run_engine
 
     context = shape.prompt_tokens + shape.max_tokens

@@ -33,7 +33,6 @@ from core_engine.common.dtypes import torch_dtype
 from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
 from core_engine.worker.model_executor.cpu_linear import pack_weight, packed_linear
-
 from scripts.bench_common import (
     RESULTS_DIR,
     default_num_threads,

@@ -49,7 +49,6 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from core_engine.common.dtypes import DTYPE_NAMES
 from core_engine.frontend import LLM, SamplingParams
-
 from scripts.bench_common import (
     RESULTS_DIR,
     GenerationWorkload,

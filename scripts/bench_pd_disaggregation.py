@@ -50,7 +50,6 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from core_engine.common.model_files import resolve_model_path
 from core_engine.common.ports import find_free_port
-
 from scripts.bench_common import (
     StreamedCompletion,
     cpu_list_text,

@@ -32,7 +32,6 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from core_engine.frontend.async_engine_client import load_engine_tokenizer
 from core_engine.proto.engine_config import EngineConfig
-
 from scripts.bench_common import (
     RESULTS_DIR,
     core_serve,

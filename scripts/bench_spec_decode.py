@@ -40,7 +40,6 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from core_engine.common.dtypes import DTYPE_NAMES
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
-
 from scripts.bench_common import (
     default_hf_folder,
     default_num_threads,

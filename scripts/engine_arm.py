@@ -8,7 +8,6 @@ import time
 from core_engine.frontend import AsyncEngineClient
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
-
 from scripts.closed_loop import ClosedLoopRun, RequestTiming, run_closed_loop
 from scripts.spec_decode_counts import SpecDecodeCounts
 from scripts.spec_decode_workloads import DecodeWorkload

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+
 from core_engine.common.model_files import default_model_path
 
 FLOAT_TYPES_KEPT = (gguf.GGMLQuantizationType.F32,)  # norms and biases stay float32

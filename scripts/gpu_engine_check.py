@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
 from core_engine.core.in_process_engine import InProcessEngine
 from core_engine.kernels import attention, torch_reference
 from core_engine.proto import SamplingParams

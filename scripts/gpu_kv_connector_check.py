@@ -21,12 +21,12 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
 from core_engine.common.block_hash import PREFIX_HASH_SEED_ENV
 from core_engine.frontend import EngineClient
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.kv_transfer_params import KVTransferParams
-
 from scripts.gpu_engine_check import MODEL_SHAPES, random_prompts, write_random_model
 
 BLOCK_SIZE = 16

@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
 from core_engine.kernels import AttentionMetadata, torch_reference
 from core_engine.kernels.cuda import backend as cuda_backend
 from core_engine.kernels.cuda.module_loader import default_loader

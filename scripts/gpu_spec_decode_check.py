@@ -20,11 +20,11 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
 from core_engine.core.in_process_engine import InProcessEngine
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.local_executor import LocalExecutor
-
 from scripts.gpu_engine_check import MODEL_SHAPES, random_prompts, write_random_model
 
 NGRAM = {

@@ -28,7 +28,6 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from core_engine.kernels.cuda import launch_config as lc
 from core_engine.kernels.cuda.occupancy import MAX_REGISTERS_PER_THREAD, ctas_per_sm
-
 from scripts.bench_common import (
     RESULTS_DIR,
     machine_info,

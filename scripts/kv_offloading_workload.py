@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core_engine.common.math_utils import cdiv
-
 from scripts.bench_common import exact_length_prompt, make_text
 
 Encode = Callable[[str], list[int]]

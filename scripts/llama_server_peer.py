@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 from core_engine.common.ports import find_free_port
-
 from scripts.bench_common import GenerationWorkload, http_server
 
 CONTEXT_TOKENS_PER_SLOT = 2048

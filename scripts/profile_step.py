@@ -52,7 +52,6 @@ from core_engine.worker import layers, model_runner, sampler
 from core_engine.worker.host_allocator import keep_freed_memory
 from core_engine.worker.local_executor import LocalExecutor
 from core_engine.worker.model_executor.models import llama
-
 from scripts.bench_common import (
     RESULTS_DIR,
     machine_info,

@@ -36,7 +36,6 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core_engine.core.step_trace import STEP_TRACE_ENV, StepRecord, read_step_trace
-
 from scripts import proc_stats
 from scripts.bench_common import (
     RESULTS_DIR,

@@ -99,7 +99,6 @@ def greedy_replies(num_chats: int, max_tokens: int) -> list[tuple[list[int], lis
     from core_engine.proto import SamplingParams
     from core_engine.proto.engine_config import EngineConfig
     from core_engine.worker.local_executor import LocalExecutor
-
     from scripts.copy_heavy_chats import copy_heavy_conversations
 
     config = EngineConfig()

@@ -18,7 +18,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from core_engine.common.ports import find_free_port
-
 from scripts.bench_common import (
     GenerationWorkload,
     cpu_list_text,

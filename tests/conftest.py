@@ -35,7 +35,6 @@ def pytest_itemcollected(item):
     if marker is None:
         return
     from core_engine.worker.cpu_features import host_cpu_flags
-
     from tests.cpu_kernel_builds import missing_flags_reason
 
     reason = missing_flags_reason(marker.args, marker.kwargs["kernel"], host_cpu_flags())
@@ -53,7 +52,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not skipped and not num_ran:
         return
     from core_engine.worker.cpu_features import host_cpu_flags
-
     from tests.cpu_kernel_builds import skipped_kernel_tests_summary
 
     heading, lines = skipped_kernel_tests_summary(skipped, num_ran, host_cpu_flags())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu.backend import CpuAttentionCapabilities, attention_capabilities
 from core_engine.worker.cpu_features import host_cpu_flags, simd_level

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from core_engine.kernels.cpu.kernel_loader import compile_shared_library
 from core_engine.kernels.cuda.module_loader import KERNEL_DIR, load_source
 

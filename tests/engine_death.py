@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from core_engine.frontend import LLM, EngineDeadError
-
 from tests.server_process import descendant_pids
 
 GENERATING_TIMEOUT_S = 120.0

@@ -11,7 +11,6 @@ from core_engine.core.kv_connector.tier_index import TierIndex
 from core_engine.core.sched.scheduler import Scheduler
 from core_engine.proto import SchedulerOutput
 from core_engine.proto.kv_transfer import KVConnectorOutput, OffloadingConnectorMetadata
-
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_scheduler
 
 BYTES_PER_BLOCK = 1000

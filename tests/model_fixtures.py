@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from core_engine.kernels import AttentionMetadata
 
 

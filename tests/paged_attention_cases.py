@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from core_engine.kernels import AttentionMetadata, torch_reference
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
 from core_engine.common.ports import find_free_port
 
 STARTUP_TIMEOUT_S = 120.0

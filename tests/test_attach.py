@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
+
 from core_engine.common.ports import find_free_port_pair
 from core_engine.core.client_watch import ClientEvent, ClientWatch
 from core_engine.frontend import core_client
@@ -26,7 +27,6 @@ from core_engine.frontend.core_client import AsyncCoreClient, EngineCoreNotFound
 from core_engine.proto import EngineCoreRequest, FinishReason, SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.null_worker import NULL_TOKEN_ID
-
 from tests.server_process import ServerProcess, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

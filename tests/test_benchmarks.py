@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from core_engine.core.kv_cache.kv_cache_manager import KVCacheManager
 from core_engine.core.step_trace import StepRecord
 from core_engine.frontend.text.null_tokenizer import NullTokenizer
 from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
 from core_engine.kernels.cuda import backend as cuda_backend
-
 from scripts import (
     bench_attention,
     bench_kv_offloading,
@@ -1732,7 +1732,6 @@ def test_peer_results_are_checked():
 
 def test_results_go_to_a_folder_named_after_the_cpu_kind(monkeypatch):
     from core_engine.worker import cpu_features
-
     from scripts.bench_common import RESULTS_DIR, device_results_dir
 
     monkeypatch.setattr(cpu_features, "host_cpu_flags", lambda: frozenset({"avx2", "fma"}))

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from core_engine.common.model_files import default_model_path
 from core_engine.frontend.text.tokenizer import load_tokenizer
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.model_executor.cpu_linear import pack_linears
 from core_engine.worker.model_executor.model_loader import load_model
-
 from tests.engine_helpers import generate_token_ids
 from tests.model_fixtures import (
     build_paged_batch,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from core_engine.common.block_hash import hash_block_tokens
 from core_engine.core.kv_cache.block_pool import (
     BlockHashToBlockMap,
@@ -10,7 +11,6 @@ from core_engine.core.kv_cache.block_pool import (
     BlockPoolIntegrityError,
 )
 from core_engine.core.kv_cache.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
-
 from tests.core_factories import make_request
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from core_engine.worker.block_table import BlockTable
 
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import httpx
 import msgspec
 import pytest
+
 from core_engine.frontend.llm import LLM
 from core_engine.proto import SamplingParams
-
 from tests.server_process import ServerProcess
 
 API_KEY = "test-key"

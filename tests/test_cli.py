@@ -9,12 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from core_engine.frontend.metrics import EngineMetrics
 from core_engine.frontend.openai.app import _log_stats
 from core_engine.frontend.openai.cli import DEFAULT_PORT, DEFAULT_SERVED_MODEL_NAME, parse_args
 from core_engine.proto import SchedulerStats
 from core_engine.proto.engine_config import EngineConfig
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+
 from core_engine.frontend.core_client import AsyncCoreClient
 from core_engine.frontend.core_client_protocol import CoreClient
 from core_engine.frontend.data_parallel_client import DataParallelCoreClient

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 import torch
-from core_engine.kernels.cpu import backend as cpu_backend
 
+from core_engine.kernels.cpu import backend as cpu_backend
 from tests.cpu_kernel_builds import (
     ATTENTION_SHAPE,
     AVX2,

@@ -18,12 +18,12 @@ import shutil
 
 import pytest
 import torch
+
 from core_engine.kernels import select_backend, torch_reference
 from core_engine.kernels.cpu import attention_args
 from core_engine.kernels.cpu import backend as cpu_backend
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.worker.cpu_features import host_cpu_flags
-
 from tests.cpu_kernel_builds import AVX512_BF16, KERNEL_BUILDS, kernel_library, requires_cpu_flags
 from tests.paged_attention_cases import make_case, naive_attention
 

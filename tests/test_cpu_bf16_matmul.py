@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from core_engine.worker.model_executor.cpu_linear import pack_linears
 from core_engine.worker.model_executor.layers import ColumnParallelLinear, ParallelLMHead
-
 from tests.cpu_kernel_builds import (
     AVX512_BF16,
     assert_float32_sums,

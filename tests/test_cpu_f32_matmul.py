@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+
 from core_engine.kernels.cpu import fused_ops as cpu_fused_ops
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
@@ -29,7 +30,6 @@ from core_engine.worker.model_executor.layers import (
 )
 from core_engine.worker.model_executor.model_config import ModelConfig
 from core_engine.worker.model_executor.models.llama import LlamaMLP
-
 from tests.cpu_kernel_builds import AVX2, assert_float32_sums, kernel_library, requires_cpu_flags
 
 pytestmark = requires_cpu_flags(*AVX2.cpu_flags, kernel="f32_matmul.c")

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+
 from core_engine.kernels.cpu import fused_ops as cpu_fused_ops
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.worker.model_executor.layers import (

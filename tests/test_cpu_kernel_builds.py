@@ -18,10 +18,10 @@ import subprocess
 import sys
 
 import pytest
+
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.worker.cpu_features import host_cpu_flags
 from core_engine.worker.model_executor.cpu_linear import CpuLinearCapabilities
-
 from tests.cpu_kernel_builds import (
     ATTENTION_SHAPE,
     AVX2,

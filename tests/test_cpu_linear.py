@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
@@ -23,7 +25,6 @@ from core_engine.worker.model_executor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from torch import nn
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from core_engine.kernels.cpu import backend as cpu_backend
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
-
 from tests.cpu_kernel_builds import AVX2, kernel_library, requires_cpu_flags
 from tests.paged_attention_cases import drop_keys_before_window, make_case, naive_attention
 

@@ -12,8 +12,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from core_engine.kernels.cuda.module_loader import KERNEL_DIR
 
+from core_engine.kernels.cuda.module_loader import KERNEL_DIR
 from tests.cuda_cpu_emulator import (
     EmulatedKernel,
     EmulatedLoader,

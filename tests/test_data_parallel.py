@@ -18,12 +18,12 @@ from collections.abc import Sequence
 import httpx
 import msgspec
 import pytest
+
 from core_engine.frontend.async_engine_client import AsyncEngineClient
 from core_engine.frontend.core_client import EngineDeadError
 from core_engine.frontend.data_parallel_client import DataParallelCoreClient
 from core_engine.proto import SamplingParams, SchedulerStats
 from core_engine.proto.engine_config import EngineConfig
-
 from tests.server_process import ServerProcess, descendant_pids, is_alive, wait_until
 
 BLOCK_SIZE = 16

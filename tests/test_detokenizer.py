@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from core_engine.common.model_files import resolve_model_path
 from core_engine.frontend.text.detokenizer import IncrementalDetokenizer
 from core_engine.frontend.text.null_tokenizer import NullTokenizer
 from core_engine.frontend.text.tokenizer import load_tokenizer
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 MULTILINGUAL_TEXTS = [
     "Hello 😀 world",

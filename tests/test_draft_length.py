@@ -4,9 +4,9 @@ gets shorter ones, one whose drafts all pass gets them back up to num_speculativ
 from __future__ import annotations
 
 import pytest
+
 from core_engine.core.spec_decode.draft_length import AdaptiveDraftLength
 from core_engine.proto.speculative_config import SpeculativeConfig
-
 from tests.core_factories import make_request, make_scheduler
 from tests.test_scheduler_spec_decode import PERIOD, _periodic_model, _periodic_prompt, step
 

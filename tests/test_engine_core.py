@@ -10,6 +10,7 @@ import argparse
 
 import pytest
 import zmq
+
 from core_engine.core.engine_core import EngineCore, make_request
 from core_engine.core.request import Request
 from core_engine.core.sched.scheduler import Scheduler

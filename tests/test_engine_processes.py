@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+
 from core_engine.common.config_error import ConfigError
 from core_engine.common.ports import find_free_port_pair
 from core_engine.core.executor.multiproc_executor import MultiprocExecutor

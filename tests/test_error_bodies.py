@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from core_engine.frontend.openai.api_error import APIError, _error_json
 from core_engine.frontend.openai.app import _check_model
 from core_engine.frontend.openai.protocol.errors import ErrorResponse

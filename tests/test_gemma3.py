@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+
 from core_engine.common.gguf_file import GGUFFile
 from core_engine.common.model_files import (
     gemma3_270m_model_path,
@@ -39,7 +40,6 @@ from core_engine.worker.model_executor.gguf_loader import (
     tensor_data,
 )
 from core_engine.worker.worker import Worker
-
 from tests.engine_helpers import generate_token_ids, in_process_engine
 from tests.model_fixtures import hf_greedy
 

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import torch
-from core_engine.frontend.text.tokenizer import load_tokenizer
 from transformers import AutoModelForCausalLM
 
+from core_engine.frontend.text.tokenizer import load_tokenizer
 from tests.model_fixtures import build_tiny_model_folder
 from tests.test_generation_parity import hf_greedy
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from core_engine.core.in_process_engine import GenerationOutput
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.worker import Worker
-
 from tests.engine_helpers import generate_token_ids
 from tests.model_fixtures import hf_greedy
 from tools.reference_model import converted_default_model_folder

@@ -7,6 +7,7 @@ import re
 import gguf
 import numpy as np
 import pytest
+
 from core_engine.common.gguf_file import GGUFFile
 from core_engine.common.model_files import default_model_path
 from core_engine.worker.model_executor.gguf_loader import tensor_data

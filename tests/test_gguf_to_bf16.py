@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
 from core_engine.common.model_files import default_model_path
 
 pytestmark = pytest.mark.slow

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight, panel_columns
 from core_engine.kernels.cpu.huge_pages import (
     HUGE_PAGE_BYTES,

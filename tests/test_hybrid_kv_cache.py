@@ -6,6 +6,9 @@ import dataclasses
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from core_engine.common.math_utils import cdiv
 from core_engine.core.kv_cache.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
@@ -18,9 +21,6 @@ from core_engine.core.kv_cache.kv_cache_spec import (
     SlidingWindowSpec,
 )
 from core_engine.core.sched.scheduler import Scheduler, SchedulerConfig
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.core_factories import make_request, make_scheduler, run_step
 
 BLOCK = 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from core_engine.core.engine_core import start_engine_core
 from core_engine.core.in_process_engine import InProcessEngine
 from core_engine.proto import SamplingParams, WorkerReady

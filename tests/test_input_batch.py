@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from core_engine.proto import SamplingParams
 from core_engine.worker.input_batch import CachedRequestState, InputBatch
 

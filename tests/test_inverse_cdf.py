@@ -5,6 +5,7 @@ sum over the whole vocabulary would lose."""
 import math
 
 import torch
+
 from core_engine.worker.sample.inverse_cdf import CHUNK, sample_inverse_cdf
 
 

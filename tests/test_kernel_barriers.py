@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from core_engine.kernels.cuda import backend as cuda_backend
 from core_engine.kernels.cuda import launch_config as lc
 from core_engine.kernels.cuda.module_loader import KERNEL_DIR, load_source
-
 from tests.cuda_cpu_emulator import (
     EmulatedLoader,
     EmulatorFault,

@@ -15,10 +15,10 @@ import os
 import shutil
 
 import pytest
+
 from core_engine.kernels.cuda import launch_config as lc
 from core_engine.kernels.cuda import occupancy
 from core_engine.kernels.cuda.module_loader import KERNEL_DIR
-
 from tools import kernel_resources as kr
 from tools import sass_analysis as sa
 

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from core_engine.kernels.cuda import launch_config as lc
 from core_engine.kernels.cuda.module_loader import KERNEL_DIR, NVRTC_OPTIONS, load_source
 

@@ -14,12 +14,12 @@ import dataclasses
 
 import pytest
 import torch
+
 from core_engine.common.dtypes import dtype_name
 from core_engine.kernels import attention, torch_reference
 from core_engine.kernels.cuda import backend as cuda_backend
 from core_engine.kernels.cuda import launch_config as lc
 from core_engine.kernels.cuda.warmup import warmup
-
 from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
 from tests.paged_attention_cases import (
     assert_close_to_reference,
@@ -295,7 +295,6 @@ def test_engine_greedy_tokens_match_the_reference_backend(loader, monkeypatch, t
     """A tiny random Llama through the in-process engine: emulated kernels vs the torch reference."""
     from core_engine.proto import SamplingParams
     from core_engine.proto.engine_config import EngineConfig
-
     from tests.engine_helpers import generate_token_ids
     from tests.model_fixtures import build_tiny_model_folder
 

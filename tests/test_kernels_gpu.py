@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from core_engine.common.dtypes import dtype_name
 from core_engine.kernels import select_backend, torch_reference, write_kv_and_attend
 from core_engine.kernels.cuda import backend as cuda_backend
 from core_engine.kernels.cuda import launch_config as lc
 from core_engine.kernels.cuda.module_loader import default_loader
 from core_engine.kernels.cuda.warmup import warmup
-
 from tests.paged_attention_cases import (
     assert_close_to_reference,
     assert_matches_torch_reference,
@@ -349,7 +349,6 @@ def test_matches_the_torch_reference_backend_on_the_same_gpu():
 
 def _greedy_token_ids(monkeypatch, prompt_token_ids, config, use_kernels: bool, max_tokens: int):
     from core_engine.proto import SamplingParams
-
     from tests.engine_helpers import generate_token_ids
 
     monkeypatch.setattr(cuda_backend, "is_available", lambda: use_kernels)
@@ -367,7 +366,6 @@ def _assert_same_greedy_tokens(monkeypatch, prompt_token_ids, config, max_tokens
 
 def test_engine_tiny_random_model_same_tokens_as_reference_backend(monkeypatch, tmp_path):
     from core_engine.proto.engine_config import EngineConfig
-
     from tests.model_fixtures import build_tiny_model_folder
 
     folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")

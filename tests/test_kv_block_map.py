@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from core_engine.core.kv_cache.block_pool import BlockPool
 from core_engine.core.kv_cache.kv_block_map import build_kv_block_map
 from core_engine.proto import (
@@ -12,7 +13,6 @@ from core_engine.proto import (
     MessageEncoder,
     UtilityResponse,
 )
-
 from tests.core_factories import BLOCK_SIZE, make_request, make_scheduler, run_step
 
 F, C, U, S, R = (int(state) for state in KVBlockState)

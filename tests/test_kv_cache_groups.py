@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from core_engine.common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from core_engine.core.kv_cache.kv_cache_manager import KVCacheManager
 from core_engine.core.kv_cache.kv_cache_utils import make_block_hash_with_group_id
-
 from tests.core_factories import make_request
 
 BLOCK = 16

@@ -7,11 +7,11 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from core_engine.common.block_hash import PREFIX_HASH_SEED_ENV
 from core_engine.frontend import EngineClient
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
-
 from tests.engine_helpers import in_process_engine
 
 BLOCK_SIZE = 16

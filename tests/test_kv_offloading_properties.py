@@ -4,10 +4,10 @@ or loaded from a tier) holds its own hash's KV."""
 
 from __future__ import annotations
 
-from core_engine.core.request import RequestStatus
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core_engine.core.request import RequestStatus
 from tests.core_factories import make_request
 from tests.kv_offloading_fakes import FakeTiers, make_offloading_scheduler, step
 

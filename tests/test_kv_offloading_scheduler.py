@@ -5,13 +5,13 @@ finds, what loads into which block, what is evicted, and how a request waits for
 from __future__ import annotations
 
 import pytest
+
 from core_engine.core.kv_cache.kv_cache_spec import KVCacheConfig
 from core_engine.core.kv_connector.kv_connector_factory import make_kv_connector
 from core_engine.core.kv_connector.tier_index import TierIndex
 from core_engine.core.request import RequestStatus
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.kv_transfer import BlockLoad, BlockStore
-
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request
 from tests.kv_offloading_fakes import BYTES_PER_BLOCK, FakeTiers, make_offloading_scheduler, step
 

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+
 from core_engine.proto.kv_transfer import (
     BlockLoad,
     BlockStore,

@@ -10,6 +10,7 @@ import sys
 
 import msgspec
 import pytest
+
 from core_engine.common.block_hash import NONE_HASH, prompt_block_hashes, transfer_block_hashes
 from core_engine.proto import EngineCoreOutput, SamplingParams
 from core_engine.proto.engine_config import EngineConfig

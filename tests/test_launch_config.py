@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from core_engine.common.math_utils import cdiv
 from core_engine.kernels.cuda import launch_config as lc
 

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+
 from core_engine.frontend import (
     LLM,
     AsyncEngineClient,
@@ -24,7 +25,6 @@ from core_engine.frontend import (
 )
 from core_engine.frontend.text.null_tokenizer import NullTokenizer
 from core_engine.proto.engine_config import EngineConfig
-
 from tests.engine_death import assert_cut_off_outputs, engine_worker_pids, kill_once_generating
 
 NULL_TOKEN_TEXT = "*"

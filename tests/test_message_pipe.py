@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+
 from core_engine.proto import MessageDecoder, MessageEncoder, SchedulerOutput, Shutdown
 from core_engine.proto.message_pipe import (
     HEADER,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from core_engine.common.eos_tokens import tokenizer_eos_token_id
 from core_engine.common.model_files import default_model_path, resolve_model_path
 from core_engine.worker.model_executor.layers import (
@@ -18,8 +20,6 @@ from core_engine.worker.model_executor.layers import (
 )
 from core_engine.worker.model_executor.model_config import model_config_from_dicts
 from core_engine.worker.model_executor.model_loader import load_model, load_model_config
-from safetensors.torch import load_file, save_file
-
 from tests.model_fixtures import build_tiny_model_folder
 
 CPU = torch.device("cpu")

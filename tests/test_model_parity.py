@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from core_engine.common.model_files import default_model_path
 from core_engine.worker.model_executor.model_loader import load_model
-
 from tests.model_fixtures import (
     TINY_VARIANTS,
     build_paged_batch,

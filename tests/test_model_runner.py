@@ -7,11 +7,11 @@ leave the greedy tokens unchanged.
 
 import pytest
 import torch
+
 from core_engine.core.in_process_engine import make_requests, run_requests
 from core_engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from core_engine.proto import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from core_engine.worker.model_runner import ModelRunner
-
 from tests.tiny_causal_lm import MAX_MODEL_LEN, VOCAB, TinyCausalLM
 
 CPU = torch.device("cpu")

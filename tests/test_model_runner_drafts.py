@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
 from core_engine.proto import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from core_engine.worker.model_runner import ModelRunner
-
 from tests.test_model_runner import BLOCK_SIZE, random_prompts
 from tests.tiny_causal_lm import MAX_MODEL_LEN, VOCAB, TinyCausalLM
 

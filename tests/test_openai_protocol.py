@@ -7,11 +7,12 @@ import logging
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+
 from core_engine.frontend.openai.protocol.chat import CHAT_NOT_SUPPORTED, ChatCompletionRequest
 from core_engine.frontend.openai.protocol.completions import CompletionRequest
 from core_engine.frontend.openai.protocol.sampling_fields import IGNORED, NOT_SUPPORTED
 from core_engine.proto.sampling_params import StructuredOutputs
-from pydantic import ValidationError
 
 REFUSED_VALUES = {
     "functions": [{"name": "f"}],

@@ -19,15 +19,15 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
 from core_engine.frontend.openai.protocol.completions import CompletionRequest
 from core_engine.frontend.openai.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from core_engine.frontend.text.null_tokenizer import NullTokenizer
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.server_process import ServerProcess, wait_until
 
 API_KEY = "test-key"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from core_engine.frontend.output_processor import (
     OutputProcessor,
     core_request_ids,

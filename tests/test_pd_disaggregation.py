@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from core_engine.common.ports import find_free_port
 
+from core_engine.common.ports import find_free_port
 from tests.server_process import ServerProcess, descendant_pids, wait_until
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import httpx
-from core_engine.frontend.openai.pd_proxy import build_proxy_app
 from fastapi.testclient import TestClient
+
+from core_engine.frontend.openai.pd_proxy import build_proxy_app
 
 PARAMS = {"do_remote_prefill": True, "remote_request_id": "cmpl-1-0", "remote_block_ids": [1]}
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from core_engine.common.block_hash import (
     NONE_HASH,
     PREFIX_HASH_SEED_ENV,
@@ -19,7 +20,6 @@ from core_engine.core.kv_cache.block_pool import BlockPool
 from core_engine.core.kv_cache.kv_cache_events import KVCacheEventLog
 from core_engine.frontend.prefix_router import CoreCacheMirror, PrefixAwareRouter
 from core_engine.proto import KVCacheEvents
-
 from tests.core_factories import make_request
 
 BLOCK = 4

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_engine.proto import SamplingParams
-from core_engine.proto.engine_config import EngineConfig
 from transformers import AutoModelForCausalLM
 
+from core_engine.proto import SamplingParams
+from core_engine.proto.engine_config import EngineConfig
 from tests.engine_helpers import generate_token_ids
 from tests.model_fixtures import build_tiny_model_folder
 

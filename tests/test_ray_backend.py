@@ -20,13 +20,13 @@ import time
 
 import msgspec
 import pytest
+
 from core_engine.frontend import LLM
 from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
 from core_engine.frontend.data_parallel_client import DataParallelCoreClient
 from core_engine.proto import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.null_worker import NULL_TOKEN_ID
-
 from tests.engine_death import assert_cut_off_outputs, kill_once_generating
 from tests.engine_helpers import generate_token_ids
 

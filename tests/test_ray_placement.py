@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from core_engine.common.ray_placement import missing_resources, worker_bundles
 from core_engine.proto.engine_config import EngineConfig
 

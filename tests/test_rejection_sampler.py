@@ -5,9 +5,9 @@ seeds reproduce, logprobs are those of the kept tokens' own rows."""
 import numpy as np
 import pytest
 import torch
+
 from core_engine.worker.sample.rejection_sampler import RejectionSampler
 from core_engine.worker.sample.sampler import Sampler
-
 from tests.test_sampler import make_metadata, random_logits
 
 CPU = torch.device("cpu")

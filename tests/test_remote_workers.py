@@ -36,6 +36,7 @@ from typing import IO
 
 import msgspec
 import pytest
+
 from core_engine.common.ports import find_free_port
 from core_engine.common.process_watch import python_module_command
 from core_engine.core.executor.multiproc_executor import MultiprocExecutor
@@ -60,7 +61,6 @@ from core_engine.proto.message_pipe import (
 )
 from core_engine.proto.worker_messages import WORKER_PROTOCOL_VERSION
 from core_engine.worker.null_worker import NULL_TOKEN_ID
-
 from tests.engine_helpers import generate_token_ids
 from tests.test_engine_processes import child_pids, is_alive
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from core_engine.frontend.metrics import FINISHED_REASONS
 
+from core_engine.frontend.metrics import FINISHED_REASONS
 from tests.server_process import ServerProcess, descendant_pids, wait_until
 
 NULL_ARGS = ["--model", "null", "--max-model-len", "65536", "--num-gpu-blocks-override", "8192"]

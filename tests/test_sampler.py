@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from core_engine.worker.sample.sampler import (
     RowPenalties,
     Sampler,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+
 from core_engine.core.kv_cache.kv_cache_spec import KVCacheConfig
 from core_engine.core.request import RequestStatus
 from core_engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from core_engine.proto import FinishReason, ModelRunnerOutput
 from core_engine.proto.sampling_params import StructuredOutputs
-
 from tests.core_factories import (
     fake_model_output,
     make_request,

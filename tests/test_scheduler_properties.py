@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from core_engine.core.kv_cache.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -9,9 +12,6 @@ from core_engine.core.kv_cache.kv_cache_spec import (
 )
 from core_engine.core.request import RequestStatus
 from core_engine.proto.speculative_config import SpeculativeConfig
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request, make_scheduler
 
 actions = st.lists(

@@ -7,12 +7,12 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from core_engine.common.math_utils import cdiv
 from core_engine.core.kv_cache.kv_cache_utils import make_block_hash_with_group_id
 from core_engine.core.request import RequestStatus
 from core_engine.proto import FinishReason, ModelRunnerOutput, TokenLogprobs
 from core_engine.proto.speculative_config import SpeculativeConfig
-
 from tests.core_factories import BLOCK_SIZE, make_request, make_scheduler, scheduled_req_ids
 
 PERIOD = [5, 6, 7, 8, 9]  # a periodic prompt: n-gram drafts of the period are exact

@@ -13,8 +13,8 @@ import collections
 import gguf
 import pytest
 import torch
-from core_engine.frontend.text.tokenizer import load_tokenizer, merges_from_scores
 
+from core_engine.frontend.text.tokenizer import load_tokenizer, merges_from_scores
 from tests.test_tokenizer_parity import CORPUS
 
 SPACE = "\u2581"
@@ -180,7 +180,6 @@ def test_an_engine_serves_a_sentencepiece_gguf_and_generates_like_transformers(t
     transformers = pytest.importorskip("transformers")
     from core_engine.frontend.llm import LLM
     from core_engine.proto import SamplingParams
-
     from tests.model_fixtures import write_gguf_from_transformers_model
 
     torch.manual_seed(0)

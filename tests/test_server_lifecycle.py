@@ -24,10 +24,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from core_engine.common.ports import find_free_port_pair
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.null_worker import NULL_TOKEN_ID
-
 from tests.server_process import (
     STARTUP_TIMEOUT_S,
     ServerProcess,

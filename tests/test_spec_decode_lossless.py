@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from core_engine.common.model_files import resolve_model_path
 from core_engine.core.in_process_engine import GenerationOutput
 from core_engine.frontend.text.tokenizer import load_tokenizer
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.worker import Worker
-
 from tests.engine_helpers import generate_token_ids
 
 pytestmark = pytest.mark.slow

@@ -3,11 +3,11 @@ Prometheus text, the periodic log line and the data-parallel sum."""
 
 from __future__ import annotations
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from core_engine.frontend.data_parallel_client import sum_stats
 from core_engine.frontend.metrics import EngineMetrics
 from core_engine.proto import SchedulerStats
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.core_factories import make_request, make_scheduler
 from tests.test_scheduler_spec_decode import _ngram, _periodic_prompt, step
 

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import pytest
+
 from core_engine.core.spec_decode.drafter import Drafter
 from core_engine.core.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from core_engine.core.spec_decode.spec_decoding_stats import SpecDecodingStats
 from core_engine.core.spec_decode.suffix_index import SpeculationLimits, SuffixIndex
 from core_engine.core.spec_decode.suffix_proposer import SuffixProposer
 from core_engine.proto.speculative_config import SpeculativeConfig
-
 from tests.core_factories import make_request
 
 

@@ -4,6 +4,7 @@ msgpack), every error naming the field."""
 import argparse
 
 import pytest
+
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.speculative_config import SpeculativeConfig
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tokenizers import Tokenizer
+
 from core_engine.common.grammars import build_grammar, xgrammar
 from core_engine.proto import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from core_engine.proto.sampling_params import StructuredOutputs
 from core_engine.worker.model_runner import ModelRunner
 from core_engine.worker.structured_outputs import StructuredOutputManager
-from tokenizers import Tokenizer
-
 from tests.model_fixtures import write_byte_level_tokenizer
 
 VOCAB_SIZE = 320

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import jsonschema
 import numpy
 import pytest
+
 from core_engine.common.grammars import build_grammar
 from core_engine.common.model_files import resolve_model_path
 from core_engine.core.engine_core import EngineCore
@@ -23,7 +24,6 @@ from core_engine.proto import EngineCoreOutput, FinishReason, SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.sampling_params import StructuredOutputs
 from core_engine.worker.model_runner import GRAMMAR_WAIT_S
-
 from tests.engine_helpers import in_process_engine
 
 PERSON = {

@@ -10,12 +10,12 @@ import time
 
 import jsonschema
 import pytest
+
 from core_engine.common.model_files import resolve_model_path
 from core_engine.frontend.text.tokenizer import load_tokenizer
 from core_engine.proto import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.sampling_params import StructuredOutputs
-
 from tests.test_structured_outputs import PERSON, SLOW_SCHEMA
 from tests.test_tensor_parallel import event_loop, running_engine
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from core_engine.common.block_hash import transfer_block_hashes
 from core_engine.core.kv_connector.tcp_connector import TcpConnector
 from core_engine.core.request import RequestStatus
 from core_engine.proto.kv_transfer import KVConnectorHandshake, KVConnectorOutput, KVTransferConfig
 from core_engine.proto.kv_transfer_params import KVTransferParams
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request, make_scheduler
 
 HANDSHAKE = KVConnectorHandshake(1000, 0, transfer_host="h", transfer_port=1, engine_id="e")

@@ -18,7 +18,6 @@ from core_engine.proto.kv_transfer import (
     TcpConnectorMetadata,
 )
 from core_engine.proto.kv_transfer_params import KVTransferParams
-
 from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request, make_scheduler
 
 HANDSHAKE = KVConnectorHandshake(

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+
 from core_engine.proto.kv_pull_messages import KVPullReply, encode_frame
 from core_engine.proto.kv_transfer import (
     KVTransferConfig,

@@ -24,6 +24,7 @@ import msgspec
 import pytest
 import torch
 import torch.multiprocessing
+
 from core_engine.common.config_error import ConfigError
 from core_engine.common.ports import find_free_port
 from core_engine.frontend import LLM, EngineDeadError
@@ -41,7 +42,6 @@ from core_engine.worker.parallel_state import (
     init_distributed,
     share_cpu_threads,
 )
-
 from tests.engine_helpers import generate_token_ids
 from tests.model_fixtures import (
     build_paged_batch,

@@ -10,11 +10,11 @@ import json
 import unicodedata
 
 import pytest
-from core_engine.common.model_files import default_model_path
-from core_engine.frontend.text.tokenizer import load_tokenizer
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from core_engine.common.model_files import default_model_path
+from core_engine.frontend.text.tokenizer import load_tokenizer
 from tests.model_fixtures import (
     build_tiny_model_folder,
     write_byte_level_tokenizer,

@@ -7,13 +7,13 @@ import json
 
 import jsonschema
 import pytest
+
 from core_engine.common.model_files import resolve_model_path
 from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
 from core_engine.frontend.openai.tool_calls import ToolChoiceError, hermes_tool_calls, plan_tools
 from core_engine.frontend.text.tokenizer import load_tokenizer
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
-
 from tests.engine_helpers import in_process_engine
 
 WEATHER = {

@@ -11,10 +11,10 @@ import dataclasses
 
 import pytest
 import torch
+
 from core_engine.kernels import attention, select_backend, torch_reference, write_kv_and_attend
 from core_engine.kernels.cpu import backend as cpu_backend
 from core_engine.kernels.cuda import backend as cuda_backend
-
 from tests.paged_attention_cases import make_case, naive_attention, write_new_tokens
 
 ATOL_FP32 = 1e-5

@@ -4,9 +4,9 @@ step budget must hold max_model_len tokens; a prompt the rest of a step cannot h
 from __future__ import annotations
 
 import pytest
+
 from core_engine.core.sched.scheduler import SchedulerConfig
 from core_engine.proto.engine_config import EngineConfig
-
 from tests.core_factories import make_request, make_scheduler, run_step
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from core_engine.kernels.cpu import backend as cpu_backend
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.proto import SamplingParams
@@ -20,7 +21,6 @@ from core_engine.worker.cpu_features import (
 from core_engine.worker.memory_profiler import GiB
 from core_engine.worker.model_executor import model_loader
 from core_engine.worker.worker import Worker, resolve_device, resolve_dtype
-
 from tests.engine_helpers import generate_token_ids
 from tests.tiny_causal_lm import VOCAB, TinyCausalLM
 

@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from core_engine.kernels import AttentionMetadata, write_kv_and_attend
 
 VOCAB = 48

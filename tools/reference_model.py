@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+
 from core_engine.common.model_files import default_model_path
 
 CONVERTER_VERSION = 1

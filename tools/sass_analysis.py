@@ -26,7 +26,6 @@ from pathlib import Path
 
 from core_engine.kernels.cuda import launch_config as lc
 from core_engine.kernels.cuda.module_loader import KERNEL_DIR
-
 from tools.kernel_resources import DECODE_SOURCE
 
 # ---- SASS: the decode key loop ------------------------------------------------------------------

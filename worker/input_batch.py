@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from core_engine.common.math_utils import cdiv
 from core_engine.proto import SamplingParams
 from core_engine.worker.block_table import MultiGroupBlockTable

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+
 from core_engine.common.kv_cache_groups import KVCacheGroup
 from core_engine.common.math_utils import cdiv, concatenated_ranges
 from core_engine.kernels import AttentionMetadata

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from core_engine.common.gguf_file import GGUFFile
 from core_engine.common.grammars import build_grammar, xgrammar
 from core_engine.common.json_file import read_json

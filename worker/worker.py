@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import torch
+
 from core_engine.common.config_error import ConfigError
 from core_engine.common.dtypes import DTYPE_NAMES, torch_dtype
 from core_engine.common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group

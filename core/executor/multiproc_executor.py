@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+
 from core_engine.common.config_error import ConfigError
 from core_engine.common.ports import find_free_port
 from core_engine.common.process_watch import describe_exit, python_module_command, stop_process

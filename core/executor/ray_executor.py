@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 
 import msgspec
+
 from core_engine.common.ports import find_free_port
 from core_engine.common.ray_placement import (
     PlacementError,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from core_engine.core.kv_cache.block_pool import BlockPool
 from core_engine.proto import KVBlockMap, KVBlockState
 

@@ -12,15 +12,16 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from core_engine.frontend.async_engine_client import ServiceStoppedError
 from core_engine.frontend.core_client import EngineDeadError
 from core_engine.frontend.openai.protocol.base import TEXT_NOT_UTF8
 from core_engine.frontend.openai.protocol.errors import ErrorInfo, ErrorResponse
 from core_engine.frontend.request_output import RequestOutput
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,10 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as distribution_version
 from typing import Any, TypeVar
 
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
 from core_engine.common.config_error import ConfigError
 from core_engine.frontend.async_engine_client import AsyncEngineClient, InvalidPromptError
 from core_engine.frontend.core_client import EngineCoreNotFoundError, EngineDeadError
@@ -52,9 +56,6 @@ from core_engine.frontend.openai.server_settings import ServerSettings
 from core_engine.frontend.openai.web_ui import add_web_ui_routes
 from core_engine.proto import SchedulerStats
 from core_engine.proto.engine_config import EngineConfig
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
-from pydantic import BaseModel
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

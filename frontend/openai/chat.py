@@ -11,6 +11,9 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import msgspec
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
 from core_engine.frontend.async_engine_client import (
     AsyncEngineClient,
     InvalidPromptError,
@@ -42,8 +45,6 @@ from core_engine.frontend.openai.sse import SSE_DONE, sse, sse_error
 from core_engine.frontend.openai.tool_calls import ToolChoiceError, ToolPlan, plan_tools
 from core_engine.frontend.request_output import CompletionOutput, RequestOutput
 from core_engine.proto import SamplingParams
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
 
 
 async def create_chat_completion(

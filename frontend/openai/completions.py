@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
 from core_engine.frontend.async_engine_client import (
     AsyncEngineClient,
     InvalidPromptError,
@@ -36,8 +39,6 @@ from core_engine.frontend.openai.protocol.completions import (
 )
 from core_engine.frontend.openai.sse import SSE_DONE, sse, sse_error
 from core_engine.frontend.request_output import RequestOutput
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
 
 
 async def create_completion(

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from pydantic import BaseModel
+
 from core_engine.frontend.async_engine_client import (
     AsyncEngineClient,
     InvalidPromptError,
@@ -20,7 +22,6 @@ from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
 from core_engine.frontend.openai.protocol.completions import CompletionRequest
 from core_engine.frontend.request_output import RequestOutput
 from core_engine.proto import SamplingParams
-from pydantic import BaseModel
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:

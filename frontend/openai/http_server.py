@@ -27,11 +27,12 @@ import socket
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
+
 from core_engine.frontend.async_engine_client import AsyncEngineClient
 from core_engine.frontend.openai.app import build_app
 from core_engine.frontend.openai.server_settings import ServerSettings
 from core_engine.proto.engine_config import EngineConfig
-from fastapi import FastAPI
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,10 @@ a stream that fails carries an error event (OpenAI's error body) before it."""
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from core_engine.frontend.openai.api_error import APIError
 from core_engine.frontend.openai.protocol.errors import ErrorResponse
-from pydantic import BaseModel
 
 SSE_DONE = "data: [DONE]\n\n"
 

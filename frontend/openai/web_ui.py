@@ -12,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core_engine.frontend.openai.engine_state_cache import EngineStateCache
-from core_engine.frontend.openai.protocol.engine_state import EngineState
-from core_engine.frontend.openai.server_settings import ServerSettings
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+
+from core_engine.frontend.openai.engine_state_cache import EngineStateCache
+from core_engine.frontend.openai.protocol.engine_state import EngineState
+from core_engine.frontend.openai.server_settings import ServerSettings
 
 WEB_DIR = Path(__file__).parent / "web"
 ENGINE_STATE_MAX_AGE_S = 0.5  # many open pages share one utility call per this long

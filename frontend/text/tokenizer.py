@@ -17,6 +17,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
 from core_engine.common.eos_tokens import gguf_eos_token_ids, hf_eos_token_ids
 from core_engine.common.gguf_file import GGUFFile
 from core_engine.common.json_file import read_json
@@ -26,8 +29,6 @@ from core_engine.common.model_files import (
     is_gguf_file,
 )
 from core_engine.frontend.text.chat_templates import default_gguf_chat_template
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as BackendTokenizer
 
 CHAT_TEMPLATE_FILE_NAME = "chat_template.jinja"
 CHAT_TEMPLATE_JSON_FILE_NAME = "chat_template.json"

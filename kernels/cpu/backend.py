@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+
 from core_engine.kernels import torch_reference
 from core_engine.kernels.attention_metadata import AttentionMetadata
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader

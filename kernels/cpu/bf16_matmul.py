@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from core_engine.common.math_utils import round_up
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 

@@ -11,6 +11,7 @@ The callers in `worker/layers.py` fall back to torch otherwise (CUDA, float16,
 from __future__ import annotations
 
 import torch
+
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 
 DTYPES = (torch.float32, torch.bfloat16)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from core_engine.common.dtypes import DTYPE_NAMES, dtype_name
 from core_engine.kernels.attention_metadata import AttentionMetadata
 from core_engine.kernels.cuda import launch_config as lc

@@ -10,6 +10,7 @@ no request pays for building or loading the kernels.
 from __future__ import annotations
 
 import torch
+
 from core_engine.common.math_utils import cdiv
 from core_engine.kernels.attention import write_kv_and_attend
 from core_engine.kernels.attention_metadata import AttentionMetadata

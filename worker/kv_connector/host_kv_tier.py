@@ -4,6 +4,7 @@ between it and the device's per-layer caches."""
 from __future__ import annotations
 
 import torch
+
 from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
 
 

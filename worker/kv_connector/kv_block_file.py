@@ -17,6 +17,7 @@ import struct
 from pathlib import Path
 
 import xxhash
+
 from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
 
 MAGIC = b"CEKVBLK1"

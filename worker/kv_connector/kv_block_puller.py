@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 
 import msgspec
+
 from core_engine.proto.kv_pull_messages import KVPull, KVPullReply, KVRelease
 from core_engine.proto.kv_transfer import RequestPull
 from core_engine.worker.kv_connector.kv_pull_socket import (

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
+
 from core_engine.proto.kv_pull_messages import ConsumerMessage, KVPull, KVPullReply, KVRelease
 from core_engine.proto.kv_transfer import RequestSend
 from core_engine.worker.kv_connector.kv_pull_socket import receive_message, send_message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.kv_transfer import TCP_CONNECTOR
 from core_engine.worker.kv_connector.disk_kv_tier import DiskKVTier

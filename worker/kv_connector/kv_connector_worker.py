@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
 from core_engine.proto import ModelRunnerOutput, SchedulerOutput
 from core_engine.proto.kv_transfer import (
     KVConnectorHandshake,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import msgspec
+
 from core_engine.proto.kv_pull_messages import FRAME_LENGTH, encode_frame, frame_length
 
 

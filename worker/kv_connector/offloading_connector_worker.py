@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
 from core_engine.proto.kv_transfer import (
     KVConnectorHandshake,
     KVConnectorOutput,

@@ -18,6 +18,7 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
+
 from core_engine.proto.kv_transfer import (
     KVConnectorHandshake,
     KVConnectorOutput,

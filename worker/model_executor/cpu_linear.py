@@ -23,12 +23,13 @@ import enum
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from core_engine.kernels.cpu import bf16_matmul as cpu_bf16_matmul
 from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
 from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
 from core_engine.kernels.cpu.huge_pages import HugePageArena
-from torch import nn
 
 
 class LinearKernel(enum.Enum):

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from core_engine.common.eos_tokens import gguf_eos_token_ids
 from core_engine.common.gguf_file import GGUFFile, GGUFTensorInfo
 from core_engine.worker.model_executor.model_config import ModelConfig, model_config_from_dicts

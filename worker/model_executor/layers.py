@@ -19,13 +19,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from core_engine.common.config_error import ConfigError
 from core_engine.common.math_utils import cdiv
 from core_engine.kernels.cpu import fused_ops as cpu_fused_ops
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
 from core_engine.worker.model_executor.cpu_linear import PackableLinear
 from core_engine.worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_all_reduce
-from torch import nn
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

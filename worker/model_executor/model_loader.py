@@ -7,13 +7,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from core_engine.common.dtypes import dtype_name
 from core_engine.common.gguf_file import GGUFFile
 from core_engine.common.model_files import is_gguf_file
 from core_engine.worker.model_executor.gguf_loader import gguf_model_config, iter_gguf_weights
 from core_engine.worker.model_executor.model_config import ModelConfig, load_hf_model_config
 from core_engine.worker.model_executor.models import get_model_class
-from torch import nn
 
 # Checkpoint tensors with no parameter here (recomputed buffers).
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)

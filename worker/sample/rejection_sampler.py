@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from core_engine.common.math_utils import concatenated_ranges
 from core_engine.proto import TokenLogprobs
 from core_engine.worker.sample.sampler import (

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from core_engine.proto import TokenLogprobs
 from core_engine.worker.sample.inverse_cdf import sample_inverse_cdf
 

@@ -10,7 +10,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from core_engine.frontend.text.unicode_text import find_text_not_utf8
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -20,6 +19,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from core_engine.frontend.text.unicode_text import find_text_not_utf8
 
 logger = logging.getLogger(__name__)
 

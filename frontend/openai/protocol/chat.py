@@ -6,6 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from pydantic import (
+    BaseModel,
+    Field,
+    model_validator,
+)
+
 from core_engine.frontend.openai.protocol.base import (
     OpenAIModel,
     PromptLogprobs,
@@ -21,11 +27,6 @@ from core_engine.frontend.openai.protocol.tools import (
 )
 from core_engine.proto import SamplingParams
 from core_engine.proto.sampling_params import MAX_LOGPROBS
-from pydantic import (
-    BaseModel,
-    Field,
-    model_validator,
-)
 
 CHAT_NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),

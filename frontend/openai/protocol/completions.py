@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from core_engine.frontend.openai.protocol.base import PromptLogprobs, UsageInfo, refusing
-from core_engine.frontend.openai.protocol.sampling_fields import SamplingFields
-from core_engine.proto import SamplingParams
-from core_engine.proto.sampling_params import MAX_LOGPROBS
 from pydantic import (
     BaseModel,
     Field,
     field_validator,
     model_validator,
 )
+
+from core_engine.frontend.openai.protocol.base import PromptLogprobs, UsageInfo, refusing
+from core_engine.frontend.openai.protocol.sampling_fields import SamplingFields
+from core_engine.proto import SamplingParams
+from core_engine.proto.sampling_params import MAX_LOGPROBS
 
 # Tools work on the chat endpoint only (the completions API has none).
 COMPLETION_NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from core_engine.proto import KVBlockMap, KVBlockState, SchedulerStats
 from pydantic import BaseModel
+
+from core_engine.proto import KVBlockMap, KVBlockState, SchedulerStats
 
 
 class KVBlockMapView(BaseModel):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from core_engine.frontend.text.unicode_text import printable_text
 from pydantic import (
     BaseModel,
     field_validator,
 )
+
+from core_engine.frontend.text.unicode_text import printable_text
 
 
 class ErrorInfo(BaseModel):

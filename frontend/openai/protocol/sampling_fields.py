@@ -14,6 +14,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
 from core_engine.frontend.openai.protocol.base import (
     NonNegativeInt,
     OpenAIModel,
@@ -24,11 +30,6 @@ from core_engine.frontend.openai.protocol.base import (
 from core_engine.proto import SamplingParams
 from core_engine.proto.kv_transfer_params import KVTransferParams
 from core_engine.proto.sampling_params import MAX_LOGPROBS, StructuredOutputs
-from pydantic import (
-    Field,
-    field_validator,
-    model_validator,
-)
 
 # Fields of OpenAI's and vLLM's request APIs that this server does not implement, with the
 # values that ask for nothing (accepted); any other value is refused with a 400 naming the field.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from core_engine.frontend.openai.protocol.base import NonNegativeInt, RequestBody
-from core_engine.frontend.openai.protocol.chat import ChatMessage
 from pydantic import (
     BaseModel,
     model_validator,
 )
+
+from core_engine.frontend.openai.protocol.base import NonNegativeInt, RequestBody
+from core_engine.frontend.openai.protocol.chat import ChatMessage
 
 
 class TokenizeRequest(RequestBody):

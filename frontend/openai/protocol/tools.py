@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from core_engine.frontend.openai.protocol.base import OpenAIModel, random_id
 from pydantic import (
     BaseModel,
     Field,
 )
+
+from core_engine.frontend.openai.protocol.base import OpenAIModel, random_id
 
 
 class FunctionDefinition(OpenAIModel):

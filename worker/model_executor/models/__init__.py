@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from core_engine.worker.model_executor.model_config import SUPPORTED_ARCHITECTURES
 from core_engine.worker.model_executor.models.gemma3 import Gemma3ForCausalLM
 from core_engine.worker.model_executor.models.llama import LlamaForCausalLM
-from torch import nn
 
 # Every other supported architecture is the Llama-family definition with different flags.
 ARCHITECTURE_TO_MODEL_CLASS = {

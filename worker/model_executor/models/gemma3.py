@@ -16,6 +16,8 @@ freed). Parameter names follow transformers, with q/k/v and gate/up fused as in 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from core_engine.kernels import AttentionMetadata
 from core_engine.worker.model_executor.layers import (
     GemmaRMSNorm,
@@ -29,7 +31,6 @@ from core_engine.worker.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
-from torch import nn
 
 
 class Gemma3DecoderLayer(nn.Module):

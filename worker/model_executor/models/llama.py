@@ -15,6 +15,8 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import torch
+from torch import nn
+
 from core_engine.kernels import AttentionMetadata, write_kv_and_attend
 from core_engine.worker.model_executor.layers import (
     ACTIVATION_AND_MUL,
@@ -30,7 +32,6 @@ from core_engine.worker.model_executor.layers import (
     residual_dtype,
 )
 from core_engine.worker.model_executor.model_config import ModelConfig
-from torch import nn
 
 
 class LlamaAttention(nn.Module):
