@@ -8,9 +8,9 @@ No sockets and no threads here: `EngineCoreProc` adds those for the engine core 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable
 
+from core_engine.core.executor.executor import Executor, ModelExecutor
 from core_engine.core.kv_cache.kv_block_map import build_kv_block_map
 from core_engine.core.kv_cache.kv_cache_spec import KVCacheConfig
 from core_engine.core.kv_connector.kv_connector_factory import make_kv_connector
@@ -27,25 +27,14 @@ from core_engine.proto import (
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
-    WorkerReady,
 )
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.engine_messages import MAX_KV_BLOCK_MAP_CELLS
+from core_engine.proto.request_fit import check_request_fits
 
-
-class ModelExecutor(Protocol):
-    """What `EngineCore` needs of the workers: one step."""
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
-class Executor(ModelExecutor, Protocol):
-    """The workers from start-up on: `core.multiproc_executor.MultiprocExecutor` (worker processes) or
-    `worker.local_executor.LocalExecutor` (one worker in this process)."""
-
-    def wait_until_ready(self) -> list[WorkerReady]: ...
-
-    def initialize_cache(self, num_gpu_blocks: int) -> None: ...
+# Runs one step on the workers: `ModelExecutor.execute_model`, or the engine core process's own
+# (which serves its frontend socket while the workers run).
+StepRunner = Callable[[SchedulerOutput], ModelRunnerOutput]
 
 
 class EngineCore:
@@ -83,25 +72,16 @@ class EngineCore:
         """
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_kv_transfers_pending()
 
-    def step(self) -> EngineCoreOutputs | None:
-        """Schedules, executes and applies one step; None when there was nothing to do."""
-        scheduler_output = self.schedule()
-        if scheduler_output is None:
-            return None
-        return self.update(scheduler_output, self.executor.execute_model(scheduler_output))
-
-    def schedule(self) -> SchedulerOutput | None:
-        """The first half of `step`, for a caller that runs the model itself: the next step's
-        plan, or None when no request is unfinished. Pass the model's answer to `update`."""
+    def step(self, run_step: StepRunner | None = None) -> EngineCoreOutputs | None:
+        """The engine's one step, wherever it runs (the engine core process, an in-process
+        engine): schedules, runs the step (`run_step`, default the executor's
+        `execute_model`), applies the sampled tokens. The outputs for clients, or None when
+        there was no work (nothing was scheduled or run)."""
         if not self.has_work:
             return None
-        return self.scheduler.schedule()
-
-    def update(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutputs:
-        """The second half of `step`: applies the sampled tokens; the outputs for clients."""
-        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        scheduler_output = self.scheduler.schedule()
+        run_step = run_step or self.executor.execute_model
+        return self.scheduler.update_from_output(scheduler_output, run_step(scheduler_output))
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
@@ -171,14 +151,19 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
     return EngineCore(Scheduler(scheduler_config, kv_cache_config, connector), executor), ready
 
 
-def make_request(core_request: EngineCoreRequest, block_size: int, vocab_size: int) -> Request:
-    """The scheduler's `Request` for a wire request; hashes its full prompt blocks (slow part).
+def make_request(core_request: EngineCoreRequest, ready: EngineReady) -> Request:
+    """The scheduler's `Request` for a wire request, once it is known to fit the engine
+    `ready` describes (`check_request_fits`: the frontend never sends one that does not; a raw
+    client might, and the model would fail on it); hashes its full prompt blocks (slow part).
 
-    Raises ValueError for a prompt or stop token id outside [0, vocab_size) (the frontend never
-    sends one; a raw client might, and the model would fail on it).
+    Raises ParameterError naming the field that does not fit.
     """
-    check_prompt_token_ids(core_request.prompt_token_ids, vocab_size)
-    core_request.sampling_params.check_vocabulary(vocab_size)
+    check_request_fits(
+        core_request.prompt_token_ids,
+        core_request.sampling_params,
+        ready.vocab_size,
+        ready.max_model_len,
+    )
     return Request(
         request_id=core_request.request_id,
         prompt_token_ids=core_request.prompt_token_ids,
@@ -186,18 +171,8 @@ def make_request(core_request: EngineCoreRequest, block_size: int, vocab_size: i
         eos_token_id=core_request.eos_token_id,
         arrival_time=core_request.arrival_time or None,
         priority=core_request.priority,
-        block_size=block_size,
+        block_size=ready.block_size,
     )
-
-
-def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
-    """ValueError for a token id outside [0, vocab_size)."""
-    if token_ids and min(token_ids) < 0:
-        raise ValueError(f"prompt token ids must be >= 0, got {min(token_ids)}")
-    if token_ids and max(token_ids) >= vocab_size:
-        raise ValueError(
-            f"prompt token id {max(token_ids)} is out of range: the vocabulary has {vocab_size} tokens"
-        )
 
 
 def make_error_output(request_id: str, message: str) -> EngineCoreOutput:

@@ -35,14 +35,13 @@ from core_engine.common.config_error import ConfigError
 from core_engine.core.client_watch import ClientEvent, ClientWatch
 from core_engine.core.engine_core import (
     EngineCore,
-    Executor,
     make_error_output,
     make_outputs,
     make_request,
     start_engine_core,
 )
+from core_engine.core.executor.executor import PollableExecutor, WorkerFailedError
 from core_engine.core.executor.executor_factory import make_executor
-from core_engine.core.executor.multiproc_executor import WorkerFailedError
 from core_engine.core.kv_cache.kv_cache_events import KVCacheEventLog
 from core_engine.core.request import Request
 from core_engine.core.sched.scheduler import Scheduler
@@ -56,6 +55,7 @@ from core_engine.proto import (
     MessageDecoder,
     MessageEncoder,
     ModelRunnerOutput,
+    SchedulerOutput,
     UtilityMethod,
     UtilityRequest,
     UtilityResponse,
@@ -100,10 +100,9 @@ class EngineCoreProc:
             [EngineCoreRequest, AbortRequests, UtilityRequest], config.max_frame_bytes
         )
         self.poller = zmq.Poller()  # the DEALER and every worker's pipe (see _run_busy_loop)
-        self.executor: Executor | None = None
+        self.executor: PollableExecutor | None = None
         self.engine_core: EngineCore | None = None
         self.kv_event_log: KVCacheEventLog | None = None  # data parallelism only
-        self.vocab_size = 0  # known once the workers report; requests are read only after that
         self.ready: EngineReady | None = None  # what every client is greeted with
         self.step_trace = StepTrace.from_env()  # CORE_ENGINE_STEP_TRACE: one line per step
 
@@ -146,7 +145,6 @@ class EngineCoreProc:
         """Starts the worker processes and runs the start-up handshake."""
         self.executor = make_executor(self.config)
         self.engine_core, ready = start_engine_core(self.config, self.executor)
-        self.vocab_size = ready.vocab_size
         if self.config.data_parallel_size > 1:
             # The frontend routes by the cores' cached prefixes: report them with the outputs.
             self.kv_event_log = self.engine_core.scheduler.enable_kv_cache_events()
@@ -166,20 +164,24 @@ class EngineCoreProc:
             self._handle_client_events()
             while self.pending_inputs:
                 self._handle_input(self.pending_inputs.popleft())
-            scheduler_output = engine_core.schedule()
-            if scheduler_output is None:
+            outputs = engine_core.step(self._run_step_on_workers)
+            if outputs is None:
                 self._wait_for_frontend()
                 continue
-            sent_s = time.monotonic()
-            self.executor.send_step(scheduler_output)
-            model_output = self._wait_for_step()
-            if self.step_trace is not None:
-                self.step_trace.record(scheduler_output, sent_s, time.monotonic())
-            outputs = engine_core.update(scheduler_output, model_output)
             if self.kv_event_log is not None:
                 outputs.kv_events = self.kv_event_log.take()
             if outputs.outputs or outputs.kv_events is not None:
                 self._send(outputs)
+
+    def _run_step_on_workers(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """`EngineCore.step`'s model run here: the step goes to the workers, and the DEALER is
+        read while they run it (see `_wait_for_step`)."""
+        sent_s = time.monotonic()
+        self.executor.send_step(scheduler_output)
+        model_output = self._wait_for_step()
+        if self.step_trace is not None:
+            self.step_trace.record(scheduler_output, sent_s, time.monotonic())
+        return model_output
 
     def _wait_for_frontend(self) -> None:
         """Blocks until the DEALER has a frame or a client arrives or departs. A worker's pipe
@@ -322,7 +324,7 @@ class EngineCoreProc:
         if not isinstance(message, EngineCoreRequest):
             return message
         try:
-            return make_request(message, self.config.block_size, self.vocab_size)
+            return make_request(message, self.ready)
         except Exception as exc:
             logger.warning("rejected request %r: %s", message.request_id, exc)
             self._send_error(message.request_id, f"invalid request: {exc}")

@@ -14,19 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
-
-from core_engine.core.engine_core import (
-    EngineCore,
-    Executor,
-    ModelExecutor,
-    check_prompt_token_ids,
-    start_engine_core,
-)
+from core_engine.core.engine_core import EngineCore, start_engine_core
+from core_engine.core.executor.executor import Executor, ModelExecutor
 from core_engine.core.request import Request
 from core_engine.core.sched.scheduler import Scheduler
 from core_engine.proto import SamplingParams, SchedulerStats, TokenLogprobs
 from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.request_fit import check_request_fits
 from core_engine.proto.sampling_params import stop_on_eos
 
 
@@ -41,30 +35,6 @@ class GenerationResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked
-
-
-# The cumulative counters of SchedulerStats; a workload's stats are their increase.
-WORKLOAD_COUNTERS = (
-    "num_steps",
-    "num_preemptions",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "prefix_cache_requests",
-    "prefix_cache_preempted_requests",
-    "prefix_cache_preempted_queries",
-    "prefix_cache_preempted_hits",
-    "num_prompt_tokens",
-    "num_generation_tokens",
-    "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens",
-    "external_prefix_cache_queries",
-    "external_prefix_cache_hits",
-    "kv_offload_loaded_bytes",
-    "kv_offload_stored_bytes",
-    "kv_offload_load_s",
-    "kv_offload_store_s",
-)
 
 
 @dataclass(slots=True)
@@ -107,8 +77,9 @@ class InProcessEngine:
         if eos_token_ids is None:
             eos_token_ids = self.ready.eos_token_ids
         for ids in prompt_token_ids:
-            check_prompt_token_ids(ids, self.ready.vocab_size)
-        sampling_params.check_vocabulary(self.ready.vocab_size)
+            check_request_fits(
+                ids, sampling_params, self.ready.vocab_size, self.ready.max_model_len
+            )
         requests = make_requests(
             prompt_token_ids, sampling_params, eos_token_ids, self.ready.block_size
         )
@@ -164,19 +135,5 @@ def run_requests(
             if output.finish_reason is not None:
                 result.finish_reason = str(output.finish_reason)
     elapsed_s = time.perf_counter() - start
-    stats = _workload_stats(before, scheduler.get_stats())
+    stats = scheduler.get_stats().increase_since(before)
     return GenerationOutput([results[r.request_id] for r in requests], stats, elapsed_s)
-
-
-def _workload_stats(before: SchedulerStats, after: SchedulerStats) -> SchedulerStats:
-    """`after`, with each cumulative counter reduced to its increase since `before`."""
-    increases = {name: getattr(after, name) - getattr(before, name) for name in WORKLOAD_COUNTERS}
-    increases["spec_decode_num_accepted_tokens_per_pos"] = [
-        count_after - count_before
-        for count_after, count_before in zip(
-            after.spec_decode_num_accepted_tokens_per_pos,
-            before.spec_decode_num_accepted_tokens_per_pos,
-            strict=True,
-        )
-    ]
-    return msgspec.structs.replace(after, **increases)

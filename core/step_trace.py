@@ -54,9 +54,3 @@ class StepTrace:
 
     def close(self) -> None:
         self._file.close()
-
-
-def read_step_trace(path: str | os.PathLike) -> list[StepRecord]:
-    decoder = msgspec.json.Decoder(StepRecord)
-    with open(path, encoding="utf-8") as file:
-        return [decoder.decode(line) for line in file if line.strip()]

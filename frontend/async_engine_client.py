@@ -34,6 +34,8 @@ from core_engine.proto import (
     SchedulerStats,
 )
 from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.parameter_error import ParameterError
+from core_engine.proto.request_fit import check_request_fits
 from core_engine.proto.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -43,12 +45,9 @@ Prompt = str | Sequence[int]
 MIN_PRIORITY, MAX_PRIORITY = -(2**63), 2**63 - 1
 
 
-class InvalidPromptError(ValueError):
-    """A prompt the engine cannot serve; `param` names the request field at fault."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+# A request the engine cannot serve: its `param` names the field at fault (the frontend's
+# name for the engine's one parameter error).
+InvalidPromptError = ParameterError
 
 
 class ServiceStoppedError(RuntimeError):
@@ -123,6 +122,11 @@ class AsyncEngineClient:
         return self._core.ready.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        """The token ids a prompt may hold: those the model runs and the tokenizer decodes."""
+        return min(self.tokenizer.vocab_size, self._core.ready.vocab_size)
+
+    @property
     def is_dead(self) -> bool:
         return self._core.is_dead
 
@@ -136,33 +140,29 @@ class AsyncEngineClient:
         return await self._core.wait_until_dead()
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text prompt, or a checked copy of a token id prompt."""
+        """Token ids of a text prompt, or a copy of a token id prompt (integers; whether they
+        fit the vocabulary is `generate`'s check)."""
         if isinstance(prompt, str):
             _check_unicode(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         token_ids = list(prompt)
-        # The ids the model can run and the tokenizer can turn back into text.
-        vocab_size = min(self.tokenizer.vocab_size, self._core.ready.vocab_size)
         for token_id in token_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-                raise InvalidPromptError(
-                    f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})",
-                    param="prompt",
-                )
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise ParameterError("prompt", f"prompt token id {token_id!r} is not an integer")
         return token_ids
 
     def check_structured_outputs(self, constraint: StructuredOutputs) -> None:
-        """InvalidPromptError unless this engine can apply `constraint`: xgrammar must build it
+        """ParameterError unless this engine can apply `constraint`: xgrammar must build it
         (the first call imports xgrammar, seconds: run it on a thread from an event loop), and
         the model must have a vocabulary (the null model has none)."""
         if isinstance(self.tokenizer, NullTokenizer):
-            raise InvalidPromptError(
-                "the null model has no vocabulary to constrain", param="structured_outputs"
+            raise ParameterError(
+                "structured_outputs", "the null model has no vocabulary to constrain"
             )
         try:
             check_structured_outputs(constraint)
         except ValueError as exc:
-            raise InvalidPromptError(str(exc), param="structured_outputs") from None
+            raise ParameterError("structured_outputs", str(exc)) from None
 
     def bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
         """Each bad word's token sequences: as written, and after a space (mid-sentence, most
@@ -201,42 +201,21 @@ class AsyncEngineClient:
         return list(rendered)
 
     def check_priority(self, priority: int) -> None:
-        """InvalidPromptError unless the engine core can honour `priority`: any int64 under the
+        """ParameterError unless the engine core can honour `priority`: any int64 under the
         "priority" policy (lower values run first), only 0 under "fcfs"."""
         if not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-            raise InvalidPromptError(
+            raise ParameterError(
+                "priority",
                 f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got "
                 f"{priority!r}",
-                param="priority",
             )
         policy = self._core.ready.policy
         if priority != 0 and policy != "priority":
-            raise InvalidPromptError(
+            raise ParameterError(
+                "priority",
                 f"priority {priority} needs the engine's scheduling policy to be 'priority', but "
                 f"it is {policy!r}, under which every request has priority 0 (start the engine "
                 "with --policy priority, or policy='priority')",
-                param="priority",
-            )
-
-    def check_prompt_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raises `InvalidPromptError` unless the prompt plus `max_tokens` fit the context window."""
-        max_model_len = self.max_model_len
-        if num_prompt_tokens == 0:
-            raise InvalidPromptError("the prompt must not be empty", param="prompt")
-        if num_prompt_tokens >= max_model_len:
-            raise InvalidPromptError(
-                f"the prompt is {num_prompt_tokens} tokens long, but this model's maximum "
-                f"context length is {max_model_len} tokens, which must leave room for at least "
-                "one generated token",
-                param="prompt",
-            )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-            raise InvalidPromptError(
-                f"this model's maximum context length is {max_model_len} tokens, but "
-                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
-                f"prompt, max_tokens={max_tokens}); max_tokens may be at most "
-                f"{max_model_len - num_prompt_tokens}",
-                param="max_tokens",
             )
 
     def generate(
@@ -267,16 +246,12 @@ class AsyncEngineClient:
             params = msgspec.structs.replace(params, bad_words_token_ids=token_ids)
         if prompt_token_ids is None or not isinstance(prompt, str):
             prompt_token_ids = self.tokenize(prompt)
-        self.check_prompt_length(len(prompt_token_ids), params.max_tokens)
-        try:
-            params.check_vocabulary(self._core.ready.vocab_size)
-        except ValueError as exc:  # the message starts with the field's name
-            raise InvalidPromptError(str(exc), param=str(exc).split()[0]) from None
+        check_request_fits(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         if params.prompt_logprobs is not None and isinstance(self.tokenizer, NullTokenizer):
-            raise InvalidPromptError(
-                "prompt_logprobs: the null model computes no logits", param="prompt_logprobs"
+            raise ParameterError(
+                "prompt_logprobs", "prompt_logprobs: the null model computes no logits"
             )
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._raise_if_running(request_id)
@@ -460,7 +435,7 @@ def _check_unicode(text: str, param: str) -> None:
     \\uD800 escapes can carry): no tokenizer can encode it."""
     reason = describe_text_not_utf8(text)
     if reason is not None:
-        raise InvalidPromptError(f"{param} is not valid Unicode text: {reason}", param=param)
+        raise ParameterError(param, f"{param} is not valid Unicode text: {reason}")
 
 
 def _strings(value: Any) -> Iterator[str]:

@@ -93,6 +93,30 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+# The counters of SchedulerStats that only grow (the others are gauges of the moment).
+CUMULATIVE_STATS = (
+    "num_steps",
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prefix_cache_requests",
+    "prefix_cache_preempted_requests",
+    "prefix_cache_preempted_queries",
+    "prefix_cache_preempted_hits",
+    "num_prompt_tokens",
+    "num_generation_tokens",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "kv_offload_loaded_bytes",
+    "kv_offload_stored_bytes",
+    "kv_offload_load_s",
+    "kv_offload_store_s",
+)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     """A snapshot of the scheduler; prefix cache counters are cumulative, in tokens (requests
     in requests), one lookup per admitted request; `prefix_cache_preempted_*` count the lookups
@@ -131,6 +155,20 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     kv_offload_stored_bytes: int = 0
     kv_offload_load_s: float = 0.0
     kv_offload_store_s: float = 0.0
+
+    def increase_since(self, before: SchedulerStats) -> SchedulerStats:
+        """What happened between `before` and this snapshot: these gauges, with every
+        cumulative counter (`CUMULATIVE_STATS`, and the accepted drafts per position) reduced
+        to its increase."""
+        increases = {name: getattr(self, name) - getattr(before, name) for name in CUMULATIVE_STATS}
+        before_per_pos = before.spec_decode_num_accepted_tokens_per_pos
+        increases["spec_decode_num_accepted_tokens_per_pos"] = [
+            after - earlier
+            for after, earlier in zip(
+                self.spec_decode_num_accepted_tokens_per_pos, before_per_pos, strict=True
+            )
+        ]
+        return msgspec.structs.replace(self, **increases)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import msgspec
 
 from core_engine.proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.parameter_error import ParameterError
 
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
@@ -34,12 +35,15 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, gc=False):
             name for name in self.__struct_fields__ if getattr(self, name) not in (None, False)
         ]
         if len(kinds) != 1:
-            raise ValueError(
+            raise ParameterError(
+                "structured_outputs",
                 "structured_outputs must set exactly one of json, json_object, regex, choice and "
-                f"grammar, got {kinds or 'none'}"
+                f"grammar, got {kinds or 'none'}",
             )
         if self.choice is not None and not self.choice:
-            raise ValueError("structured_outputs.choice must list at least one string")
+            raise ParameterError(
+                "structured_outputs", "structured_outputs.choice must list at least one string"
+            )
 
     def grammar_spec(self) -> dict[str, object]:
         """The keyword arguments of `common.grammars.build_grammar` for this constraint."""
@@ -110,80 +114,100 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
 
     def _check_sampling(self) -> None:
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+            raise ParameterError("n", f"n must be at least 1, got {self.n}")
         if not self.temperature >= 0.0 or self.temperature == math.inf:  # NaN fails >=
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+            raise ParameterError(
+                "temperature", f"temperature must be >= 0 and finite, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 and self.top_k != -1:
-            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+            raise ParameterError("top_k", f"top_k must be >= 0 (0 disables), got {self.top_k}")
         if self.top_k > MAX_TOP_K:
-            raise ValueError(f"top_k must be at most {MAX_TOP_K}, got {self.top_k}")
+            raise ParameterError("top_k", f"top_k must be at most {MAX_TOP_K}, got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
 
     def _check_lengths_and_stops(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise ParameterError(
+                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"
+            )
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise ParameterError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            raise ParameterError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             )
         if not all(self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise ParameterError("stop", "stop strings must not be empty")
         if any(token_id < 0 for token_id in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+            raise ParameterError(
+                "stop_token_ids", f"stop_token_ids must be non-negative, got {self.stop_token_ids}"
+            )
 
     def _check_seed_and_penalties(self) -> None:
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED - (self.n - 1):
-            raise ValueError(
+            raise ParameterError(
+                "seed",
                 f"seed must be in [{MIN_SEED}, {MAX_SEED - (self.n - 1)}] (choice i of n uses "
-                f"seed + i), got {self.seed}"
+                f"seed + i), got {self.seed}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+                raise ParameterError(
+                    name, f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}"
+                )
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(
+            raise ParameterError(
+                "repetition_penalty",
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
-                f"{self.repetition_penalty}"
+                f"{self.repetition_penalty}",
             )
 
     def _check_token_biases(self) -> None:
         for token_id, bias in self.logit_bias.items():
             if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(
+                raise ParameterError(
+                    "logit_bias",
                     f"logit_bias maps token ids >= 0 to biases in [-{MAX_LOGIT_BIAS}, "
-                    f"{MAX_LOGIT_BIAS}], got {token_id}: {bias}"
+                    f"{MAX_LOGIT_BIAS}], got {token_id}: {bias}",
                 )
         if not all(word.strip() for word in self.bad_words):
-            raise ValueError("bad_words must not be empty or blank")
+            raise ParameterError("bad_words", "bad_words must not be empty or blank")
         if not all(self.bad_words_token_ids) or any(
             t < 0 for ids in self.bad_words_token_ids for t in ids
         ):
-            raise ValueError("bad_words_token_ids must be non-empty lists of token ids >= 0")
+            raise ParameterError(
+                "bad_words_token_ids",
+                "bad_words_token_ids must be non-empty lists of token ids >= 0",
+            )
 
     def _check_logprobs_and_salt(self) -> None:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            raise ParameterError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise ParameterError(
+                "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
         if self.kv_transfer_params is not None and self.n != 1:
-            raise ValueError(
-                f"kv_transfer_params hands over one sequence's KV: n must be 1, got {self.n}"
+            raise ParameterError(
+                "kv_transfer_params",
+                f"kv_transfer_params hands over one sequence's KV: n must be 1, got {self.n}",
             )
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):
-            raise ValueError(
-                f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}"
+            raise ParameterError(
+                "cache_salt",
+                f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}",
             )
 
     def check_vocabulary(self, vocab_size: int) -> None:
@@ -197,9 +221,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             ("bad_words_token_ids", bad_word_ids),
         ):
             if token_ids and max(token_ids) >= vocab_size:
-                raise ValueError(
+                raise ParameterError(
+                    name,
                     f"{name} must name token ids below the vocabulary size {vocab_size}, got "
-                    f"{max(token_ids)}"
+                    f"{max(token_ids)}",
                 )
 
     @property

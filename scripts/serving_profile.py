@@ -32,10 +32,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
+
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core_engine.core.step_trace import STEP_TRACE_ENV, StepRecord, read_step_trace
+from core_engine.core.step_trace import STEP_TRACE_ENV, StepRecord
 from scripts import proc_stats
 from scripts.bench_common import (
     RESULTS_DIR,
@@ -155,6 +157,13 @@ def run_served(
         "threads": proc_stats.thread_deltas(before, after),
         "timeline": timeline,
     }
+
+
+def read_step_trace(path: str | os.PathLike) -> list[StepRecord]:
+    """The records of a trace the engine core wrote (CORE_ENGINE_STEP_TRACE)."""
+    decoder = msgspec.json.Decoder(StepRecord)
+    with open(path, encoding="utf-8") as file:
+        return [decoder.decode(line) for line in file if line.strip()]
 
 
 def decode_window_cores(timeline: proc_stats.CpuTimeline, records: list[StepRecord]) -> dict:

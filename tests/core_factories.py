@@ -69,3 +69,15 @@ def run_step(scheduler: Scheduler, next_token=lambda request: 1):
         scheduler_output, fake_model_output(scheduler, scheduler_output, next_token)
     )
     return scheduler_output, outputs
+
+
+def check_spec_decode_integrity(scheduler: Scheduler) -> None:
+    """Speculative decoding's between-steps invariants: no request holds drafts, none has more
+    tokens computed than it has, and the accepted drafts never outnumber the drafted ones (nor
+    differ from their count per position). Raises AssertionError."""
+    for request in scheduler.requests.values():
+        assert not request.spec_token_ids, f"{request} holds drafts between steps"
+        assert request.num_computed_tokens <= request.num_tokens, f"{request} computed drafts"
+    stats = scheduler.spec_decoding_stats
+    assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens

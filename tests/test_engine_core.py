@@ -18,6 +18,7 @@ from core_engine.core.sched.scheduler_config import SchedulerConfig
 from core_engine.proto import (
     CachedRequestData,
     EngineCoreRequest,
+    EngineReady,
     FinishReason,
     NewRequestData,
     SamplingParams,
@@ -29,6 +30,7 @@ from core_engine.proto.endpoints import (
     remove_dead_frontend_sockets,
 )
 from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.parameter_error import ParameterError
 from core_engine.worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE, NullWorker
 
 VOCAB_SIZE = NULL_VOCAB_SIZE
@@ -46,9 +48,15 @@ def make_engine_core(num_gpu_blocks: int = 64, max_model_len: int = 64, **kwargs
     return EngineCore(Scheduler(config), worker)
 
 
+# What make_request checks a wire request against: the engines these tests build.
+READY = EngineReady(
+    64, BLOCK_SIZE, max_model_len=64, max_num_batched_tokens=64, vocab_size=VOCAB_SIZE
+)
+
+
 def make_core_request(request_id: str, num_prompt_tokens: int, **params) -> Request:
     wire = EngineCoreRequest(request_id, list(range(num_prompt_tokens)), SamplingParams(**params))
-    return make_request(wire, BLOCK_SIZE, VOCAB_SIZE)
+    return make_request(wire, READY)
 
 
 def run_to_completion(engine_core: EngineCore, max_steps: int = 1000) -> dict[str, list]:
@@ -261,13 +269,19 @@ def test_engine_core_runs_requests_to_their_length_limit():
     assert engine_core.unfinished_request_ids() == []
 
 
-def test_engine_core_answers_a_too_long_prompt_with_an_error_output_and_keeps_serving():
-    engine_core = make_engine_core(max_model_len=32)
-    error_output = engine_core.add_request(make_core_request("long", 33))
-    assert error_output.finish_reason == FinishReason.ERROR
-    assert "33 tokens" in error_output.error and "max_model_len=32" in error_output.error
-    assert engine_core.add_request(make_core_request("ok", 8, max_tokens=2)) is None
-    assert run_to_completion(engine_core)["ok"][-1].finish_reason == FinishReason.LENGTH
+def test_make_request_refuses_what_does_not_fit_the_context_window_naming_the_field():
+    """Checked once, where the core builds the request: a prompt that leaves no room for a
+    generated token, or max_tokens past the window (the scheduler does not check again)."""
+    with pytest.raises(ParameterError, match="the prompt is 64 tokens long") as error:
+        make_core_request("long", 64)
+    assert error.value.param == "prompt"
+    with pytest.raises(ParameterError, match="max_tokens may be at most 54") as error:
+        make_core_request("long", 10, max_tokens=55)
+    assert error.value.param == "max_tokens"
+    with pytest.raises(ParameterError, match="must not be empty") as error:
+        make_core_request("empty", 0)
+    assert error.value.param == "prompt"
+    assert make_core_request("fits", 10, max_tokens=54).num_prompt_tokens == 10
 
 
 def test_engine_core_rejects_a_duplicate_request_id():
@@ -298,14 +312,14 @@ def test_make_request_hashes_full_prompt_blocks_and_rejects_out_of_vocab_token_i
     request = make_core_request("a", 9)
     assert len(request.block_hashes) == 9 // BLOCK_SIZE
     wire = EngineCoreRequest("b", [5, -1], SamplingParams())
-    with pytest.raises(ValueError, match="prompt token ids must be >= 0, got -1"):
-        make_request(wire, BLOCK_SIZE, VOCAB_SIZE)
+    with pytest.raises(ParameterError, match=r"prompt token id -1 is outside the vocabulary"):
+        make_request(wire, READY)
     wire = EngineCoreRequest("c", [5, VOCAB_SIZE], SamplingParams())
     with pytest.raises(
-        ValueError,
-        match=f"token id {VOCAB_SIZE} is out of range: the vocabulary has {VOCAB_SIZE} tokens",
+        ParameterError,
+        match=rf"token id {VOCAB_SIZE} is outside the vocabulary \[0, {VOCAB_SIZE}\)",
     ):
-        make_request(wire, BLOCK_SIZE, VOCAB_SIZE)
+        make_request(wire, READY)
 
 
 def test_make_request_rejects_stop_token_ids_the_model_cannot_produce():
@@ -314,6 +328,7 @@ def test_make_request_rejects_stop_token_ids_the_model_cannot_produce():
     params = SamplingParams(min_tokens=1, stop_token_ids=[VOCAB_SIZE])
     wire = EngineCoreRequest("d", [5], params)
     with pytest.raises(
-        ValueError, match=f"below the vocabulary size {VOCAB_SIZE}, got {VOCAB_SIZE}"
-    ):
-        make_request(wire, BLOCK_SIZE, VOCAB_SIZE)
+        ParameterError, match=f"below the vocabulary size {VOCAB_SIZE}, got {VOCAB_SIZE}"
+    ) as error:
+        make_request(wire, READY)
+    assert error.value.param == "stop_token_ids"

@@ -12,7 +12,13 @@ from core_engine.core.kv_cache.kv_cache_spec import (
 )
 from core_engine.core.request import RequestStatus
 from core_engine.proto.speculative_config import SpeculativeConfig
-from tests.core_factories import BLOCK_SIZE, fake_model_output, make_request, make_scheduler
+from tests.core_factories import (
+    BLOCK_SIZE,
+    check_spec_decode_integrity,
+    fake_model_output,
+    make_request,
+    make_scheduler,
+)
 
 actions = st.lists(
     st.one_of(
@@ -83,7 +89,7 @@ def test_random_interleavings_keep_invariants(
         elif added:
             scheduler.finish_requests(added[action[1] % len(added)], RequestStatus.FINISHED_ABORTED)
         scheduler.kv_cache_manager.check_integrity()
-        scheduler.check_spec_decode_integrity()
+        check_spec_decode_integrity(scheduler)
         _check_block_ownership(scheduler)
 
     for _ in range(2000):

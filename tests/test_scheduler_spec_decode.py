@@ -13,7 +13,13 @@ from core_engine.core.kv_cache.kv_cache_utils import make_block_hash_with_group_
 from core_engine.core.request import RequestStatus
 from core_engine.proto import FinishReason, ModelRunnerOutput, TokenLogprobs
 from core_engine.proto.speculative_config import SpeculativeConfig
-from tests.core_factories import BLOCK_SIZE, make_request, make_scheduler, scheduled_req_ids
+from tests.core_factories import (
+    BLOCK_SIZE,
+    check_spec_decode_integrity,
+    make_request,
+    make_scheduler,
+    scheduled_req_ids,
+)
 
 PERIOD = [5, 6, 7, 8, 9]  # a periodic prompt: n-gram drafts of the period are exact
 
@@ -62,7 +68,7 @@ def step(scheduler, model=_periodic_model, logprobs=False):
     outputs = scheduler.update_from_output(
         scheduler_output, verify(scheduler, scheduler_output, model, logprobs)
     )
-    scheduler.check_spec_decode_integrity()
+    check_spec_decode_integrity(scheduler)
     scheduler.kv_cache_manager.check_integrity()
     return scheduler_output, {o.request_id: o for o in outputs.outputs}
 
@@ -297,7 +303,7 @@ def test_an_abort_while_drafts_are_verified_leaves_nothing_behind():
     runner_output = verify(scheduler, output)
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     assert scheduler.update_from_output(output, runner_output).outputs == []
-    scheduler.check_spec_decode_integrity()
+    check_spec_decode_integrity(scheduler)
     assert scheduler.drafter.proposer.num_tracked_requests == 0
     assert scheduler.kv_cache_manager.usage == 0.0
 

@@ -6,10 +6,18 @@ from __future__ import annotations
 import asyncio
 import io
 
-from core_engine.core.step_trace import STEP_TRACE_ENV, StepTrace, read_step_trace
+import msgspec
+
+from core_engine.core.step_trace import STEP_TRACE_ENV, StepRecord, StepTrace
 from core_engine.frontend import AsyncEngineClient
 from core_engine.proto import SamplingParams, SchedulerOutput
 from core_engine.proto.engine_config import EngineConfig
+
+
+def read_step_trace(path) -> list[StepRecord]:
+    """The trace's lines, decoded as the benchmarks read them (JSON lines of StepRecord)."""
+    lines = path.read_text().splitlines()
+    return [msgspec.json.decode(line, type=StepRecord) for line in lines if line.strip()]
 
 
 def test_a_record_counts_tokens_requests_and_decodes(tmp_path):

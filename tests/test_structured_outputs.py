@@ -20,7 +20,13 @@ from core_engine.core.in_process_engine import run_requests
 from core_engine.core.request import Request, RequestStatus
 from core_engine.frontend.structured_outputs import _problem, check_structured_outputs
 from core_engine.frontend.text.tokenizer import load_tokenizer
-from core_engine.proto import EngineCoreOutput, FinishReason, SamplingParams
+from core_engine.proto import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.sampling_params import StructuredOutputs
 from core_engine.worker.model_runner import GRAMMAR_WAIT_S
@@ -263,8 +269,14 @@ class StepResult:
 
 
 def run_step(core: EngineCore) -> StepResult:
-    scheduler_output = core.schedule()
-    outputs = core.update(scheduler_output, core.executor.execute_model(scheduler_output))
+    scheduled = []
+
+    def run_and_note(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        scheduled.append(scheduler_output)
+        return core.executor.execute_model(scheduler_output)
+
+    outputs = core.step(run_and_note)
+    (scheduler_output,) = scheduled
     return StepResult(
         [r.req_id for r in scheduler_output.scheduled_new_reqs]
         + [r.req_id for r in scheduler_output.scheduled_cached_reqs],

@@ -7,11 +7,12 @@ Ray.
 
 from __future__ import annotations
 
+from core_engine.core.executor.executor import PollableExecutor
 from core_engine.core.executor.multiproc_executor import MultiprocExecutor
 from core_engine.proto.engine_config import EngineConfig
 
 
-def make_executor(config: EngineConfig) -> MultiprocExecutor:
+def make_executor(config: EngineConfig) -> PollableExecutor:
     """Starts the workers `config` asks for; their handshake is the caller's."""
     if config.distributed_executor_backend == "ray":
         from core_engine.core.executor.ray_executor import RayExecutor

@@ -1,4 +1,4 @@
-"""`MultiprocExecutor`: the engine core's side of the worker processes (an `Executor`).
+"""`MultiprocExecutor`: the engine core's side of the worker processes (a `PollableExecutor`).
 
 It starts ranks 0..K-1 (`EngineConfig.num_local_ranks`, by default all `tensor_parallel_size`)
 as processes (`python -m worker`, so `core/` never imports `worker/`) and talks to each over its
@@ -33,6 +33,7 @@ import zmq
 from core_engine.common.config_error import ConfigError
 from core_engine.common.ports import find_free_port
 from core_engine.common.process_watch import describe_exit, python_module_command, stop_process
+from core_engine.core.executor.executor import WorkerFailedError
 from core_engine.core.executor.worker_listener import WorkerListener
 from core_engine.proto import (
     InitKVCache,
@@ -63,10 +64,6 @@ POLL_INTERVAL_S = 0.1
 PEER_DEATH_GRACE_S = 0.5
 # How long a worker whose pipe closed may take to exit before it is reported as still running.
 EXIT_AFTER_CLOSE_S = 5.0
-
-
-class WorkerFailedError(RuntimeError):
-    """The workers cannot go on: one died, reported an error, or missed a deadline."""
 
 
 @dataclass(slots=True)

@@ -36,9 +36,9 @@ from core_engine.common.ray_placement import (
     reserve_placement_group,
     worker_bundles,
 )
+from core_engine.core.executor.executor import WorkerFailedError
 from core_engine.core.executor.multiproc_executor import (
     MultiprocExecutor,
-    WorkerFailedError,
     WorkerProcess,
 )
 from core_engine.core.executor.ray_worker_actor import RayWorkerActor

@@ -19,7 +19,6 @@ from core_engine.core.sched.scheduler_config import (
 )
 from core_engine.core.sched.stop_checks import append_until_stop
 from core_engine.core.spec_decode.draft_verification import (
-    check_spec_decode_integrity,
     roll_back_rejected_drafts,
 )
 from core_engine.core.spec_decode.drafter import Drafter
@@ -131,8 +130,10 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queues a request. Raises ValueError, leaving the scheduler untouched, for a request
-        that can never run (empty prompt, prompt longer than max_model_len, duplicate id).
+        """Queues a request. Raises ValueError, leaving the scheduler untouched, for an id
+        already in use or another block size than the engine's; whether the request fits the
+        model (its prompt, `max_tokens`) is checked where requests are built
+        (`proto.request_fit`).
 
         A request with an output constraint waits in `waiting_for_fsm` (WAITING_FOR_FSM) while
         the workers compile its grammar, and joins `waiting` when rank 0 reports it ready."""
@@ -152,13 +153,6 @@ class Scheduler:
     def _find_rejection(self, request: Request) -> str | None:
         if request.request_id in self.requests:
             return f"request id {request.request_id!r} is already in use"
-        if request.num_prompt_tokens == 0:
-            return "the prompt is empty: at least 1 token is needed"
-        if request.num_prompt_tokens > self.max_model_len:
-            return (
-                f"the prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_model_len={self.max_model_len}"
-            )
         if request.block_size != self.config.block_size:
             return f"request block_size {request.block_size} != engine block_size {self.config.block_size}"
         return None
@@ -578,10 +572,6 @@ class Scheduler:
             ),
             **(self.connector.stats_fields() if self.connector is not None else {}),
         )
-
-    def check_spec_decode_integrity(self) -> None:
-        """Between steps (tests): see `draft_verification.check_spec_decode_integrity`."""
-        check_spec_decode_integrity(self.requests.values(), self.spec_decoding_stats)
 
 
 def _nonempty_groups(blocks: KVCacheBlocks) -> list[list[int]]:

@@ -1,12 +1,9 @@
 """What the scheduler does with a verified draft: check the worker's answer, roll back the
-rejected positions; and the between-steps invariants of speculative decoding."""
+rejected positions."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from core_engine.core.request import Request
-from core_engine.core.spec_decode.spec_decoding_stats import SpecDecodingStats
 
 
 def roll_back_rejected_drafts(
@@ -25,13 +22,3 @@ def roll_back_rejected_drafts(
         )
     request.num_computed_tokens -= len(drafts) - num_accepted
     return num_accepted
-
-
-def check_spec_decode_integrity(requests: Iterable[Request], stats: SpecDecodingStats) -> None:
-    """Between steps: no request holds drafts, none has more tokens computed than it has, and
-    the accepted drafts never outnumber the drafted ones. Raises AssertionError."""
-    for request in requests:
-        assert not request.spec_token_ids, f"{request} holds drafts between steps"
-        assert request.num_computed_tokens <= request.num_tokens, f"{request} computed drafts"
-    assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
-    assert stats.num_accepted_tokens <= stats.num_draft_tokens

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,13 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core_engine.frontend.async_engine_client import ServiceStoppedError
 from core_engine.frontend.core_client import EngineDeadError
-from core_engine.frontend.openai.protocol.base import TEXT_NOT_UTF8
+from core_engine.frontend.openai.protocol.base import PARAMETER_ERROR, TEXT_NOT_UTF8
 from core_engine.frontend.openai.protocol.errors import ErrorInfo, ErrorResponse
 from core_engine.frontend.request_output import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+): ")
 HTTP_ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
@@ -160,8 +158,8 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
         message = "NaN is not a number this field accepts"
     else:
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    if param is None and (named := _LEADING_FIELD.match(message)):
-        param = named.group(1)  # a check across fields names the one it blames first
+    if first.get("type") == PARAMETER_ERROR:  # a check across fields names the one it blames
+        param = first["ctx"]["param"]
     return APIError(400, f"{where}: {message}" if where else message, param=param)
 
 

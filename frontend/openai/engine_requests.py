@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from pydantic import BaseModel
-
 from core_engine.frontend.async_engine_client import (
     AsyncEngineClient,
     InvalidPromptError,
@@ -22,13 +20,15 @@ from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
 from core_engine.frontend.openai.protocol.completions import CompletionRequest
 from core_engine.frontend.request_output import RequestOutput
 from core_engine.proto import SamplingParams
+from core_engine.proto.parameter_error import ParameterError
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     try:
         return body.to_sampling_params()
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=_param_named_in(str(exc), body)) from exc
+    except ParameterError as exc:  # named as the engine names it; as the body does, if it can
+        param = exc.param if exc.param in type(body).model_fields else None
+        raise APIError(400, str(exc), param=param) from exc
 
 
 async def check_output_constraint(
@@ -79,9 +79,3 @@ def usage(finals: list[RequestOutput]) -> UsageInfo:
         prompt_tokens=sum(final.num_prompt_tokens for final in finals),
         completion_tokens=sum(final.num_generated_tokens for final in finals),
     )
-
-
-def _param_named_in(message: str, body: BaseModel) -> str | None:
-    """The request field a `SamplingParams` error starts with ("min_tokens (5) must ...")."""
-    first_word = message.split(" ", 1)[0]
-    return first_word if first_word in type(body).model_fields else None

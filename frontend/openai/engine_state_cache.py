@@ -18,7 +18,6 @@ class EngineStateCache:
     def __init__(self, model: str, max_age_s: float = 0.5) -> None:
         self.model = model
         self.max_age_s = max_age_s
-        self.num_fetches = 0  # utility round trips made: for tests and the curious
         self._state: EngineState | None = None
         self._fetched_at_s = float("-inf")
         self._lock = asyncio.Lock()
@@ -31,7 +30,6 @@ class EngineStateCache:
             return self._state
 
     async def _fetch(self, engine: AsyncEngineClient) -> EngineState:
-        self.num_fetches += 1
         per_core, block_maps = await asyncio.gather(
             engine.get_stats_per_core(), engine.get_kv_block_maps()
         )

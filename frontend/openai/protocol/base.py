@@ -34,6 +34,14 @@ Priority = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 # The pydantic error type of text that cannot be encoded as UTF-8; its ctx names the JSON path.
 TEXT_NOT_UTF8 = "text_not_utf8"
+# The pydantic error type of a check across fields; its ctx names the field it blames.
+PARAMETER_ERROR = "parameter_error"
+
+
+def parameter_error(param: str, message: str) -> PydanticCustomError:
+    """What a model validator raises for a check across fields: the error body's `param` is
+    `param`, carried in the error's context, never recovered from the message."""
+    return PydanticCustomError(PARAMETER_ERROR, "{message}", {"param": param, "message": message})
 
 
 class OpenAIModel(BaseModel):

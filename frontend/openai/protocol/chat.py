@@ -16,6 +16,7 @@ from core_engine.frontend.openai.protocol.base import (
     OpenAIModel,
     PromptLogprobs,
     UsageInfo,
+    parameter_error,
     refusing,
 )
 from core_engine.frontend.openai.protocol.sampling_fields import SamplingFields
@@ -100,7 +101,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise parameter_error("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
     @property

@@ -12,7 +12,12 @@ from pydantic import (
     model_validator,
 )
 
-from core_engine.frontend.openai.protocol.base import PromptLogprobs, UsageInfo, refusing
+from core_engine.frontend.openai.protocol.base import (
+    PromptLogprobs,
+    UsageInfo,
+    parameter_error,
+    refusing,
+)
 from core_engine.frontend.openai.protocol.sampling_fields import SamplingFields
 from core_engine.proto import SamplingParams
 from core_engine.proto.sampling_params import MAX_LOGPROBS
@@ -56,15 +61,18 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must equal n ({self.n}) on this server, got {self.best_of}")
+            raise parameter_error(
+                "best_of", f"best_of must equal n ({self.n}) on this server, got {self.best_of}"
+            )
         return self
 
     @model_validator(mode="after")
     def _one_prompt_with_kv_transfer(self) -> CompletionRequest:
         if self.kv_transfer_params is not None and len(self.prompts()) > 1:
-            raise ValueError(
+            raise parameter_error(
+                "kv_transfer_params",
                 "kv_transfer_params hands over one prompt's KV: send one prompt, got "
-                f"{len(self.prompts())}"
+                f"{len(self.prompts())}",
             )
         return self
 
@@ -79,9 +87,10 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _zero_tokens_only_to_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not (self.echo and not self.stream):
-            raise ValueError(
+            raise parameter_error(
+                "max_tokens",
                 "max_tokens: 0 is for scoring a prompt (echo: true, not streamed); otherwise it "
-                "must be at least 1"
+                "must be at least 1",
             )
         return self
 

@@ -25,10 +25,12 @@ from core_engine.frontend.openai.protocol.base import (
     OpenAIModel,
     Priority,
     RequestBody,
+    parameter_error,
     refusing,
 )
 from core_engine.proto import SamplingParams
 from core_engine.proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.parameter_error import ParameterError
 from core_engine.proto.sampling_params import MAX_LOGPROBS, StructuredOutputs
 
 # Fields of OpenAI's and vLLM's request APIs that this server does not implement, with the
@@ -78,7 +80,10 @@ class ResponseFormat(OpenAIModel):
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError('response_format gives json_schema exactly when type is "json_schema"')
+            raise parameter_error(
+                "response_format",
+                'response_format gives json_schema exactly when type is "json_schema"',
+            )
         return self
 
 
@@ -176,14 +181,15 @@ class SamplingFields(RequestBody):
     @model_validator(mode="after")
     def _stream_options_only_with_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError(
-                "stream_options: only allowed with stream: true (this request has stream: false)"
+            raise parameter_error(
+                "stream_options",
+                "stream_options: only allowed with stream: true (this request has stream: false)",
             )
         return self
 
     def structured_outputs_field(self) -> tuple[StructuredOutputs | None, str | None]:
         """The output constraint and the field that asked for it (`response_format`,
-        `structured_outputs` or vLLM's older `guided_*`); ValueError if several do."""
+        `structured_outputs` or vLLM's older `guided_*`); ParameterError if several do."""
         asked: list[tuple[StructuredOutputs, str]] = []
         response_format = self.response_format
         if response_format is not None and response_format.type == "json_object":
@@ -213,7 +219,9 @@ class SamplingFields(RequestBody):
                 asked.append((make(value), name))
         if len(asked) > 1:
             names = ", ".join(name for _, name in asked)
-            raise ValueError(f"{asked[1][1]}: give one output constraint, got {names}")
+            raise ParameterError(
+                asked[1][1], f"{asked[1][1]}: give one output constraint, got {names}"
+            )
         return asked[0] if asked else (None, None)
 
     @property
