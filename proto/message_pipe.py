@@ -4,7 +4,7 @@ worker, a TCP connection to a worker on another host.
 The engine core talks to a fixed set of workers it knows by rank, so their link needs none of
 ZeroMQ's routing, reconnection or I/O threads. A ZeroMQ hop passes each message through
 an I/O thread on both sides, two extra thread wake-ups; a socketpair wakes the reader directly,
-so no message pays for them (`scripts/bench_ipc.py` measures the core round trip this hop is
+so no message pays for them (`benchmarks/micro/ipc.py` measures the core round trip this hop is
 part of). It also reports a dead peer at once: a read sees end of file and a write fails, where
 ZeroMQ would wait forever.
 

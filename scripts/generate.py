@@ -16,10 +16,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core_engine.common.dtypes import DTYPE_NAMES
 from core_engine.common.model_files import resolve_model_path

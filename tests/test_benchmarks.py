@@ -26,25 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from core_engine.core.kv_cache.kv_cache_manager import KVCacheManager
-from core_engine.core.step_trace import StepRecord
-from core_engine.frontend.text.null_tokenizer import NullTokenizer
-from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
-from core_engine.kernels.cuda import backend as cuda_backend
-from scripts import (
-    bench_attention,
-    bench_kv_offloading,
-    bench_offline,
-    bench_pd_disaggregation,
-    bench_serving,
-    bench_spec_decode,
-    gpu_check,
-    gpu_sanitize_cases,
-    proc_stats,
-    serving_vllm_client,
-    vllm_peer,
+from benchmarks.gpu import check as gpu_check
+from benchmarks.gpu import sanitize_cases as gpu_sanitize_cases
+from benchmarks.gpu.check import ProcessRun, junit_counts, sanitizer_outcome
+from benchmarks.harness import proc_stats
+from benchmarks.harness.closed_loop import (
+    ClosedLoopRun,
+    RequestTiming,
+    first_differences,
+    run_closed_loop,
 )
-from scripts.bench_common import (
+from benchmarks.harness.common import (
     REPO_ROOT,
     GenerationWorkload,
     StreamedCompletion,
@@ -53,22 +45,17 @@ from scripts.bench_common import (
     markdown_table,
     percentiles,
 )
-from scripts.bench_kv_offloading import CHAT_SHAPE, QUICK_CHAT_SHAPE, Reply, differing_replies
-from scripts.bench_offline import (
-    comparison_row,
-    count_agreeing,
-    median_pair,
-    results_file_name,
-    token_passes,
+from benchmarks.harness.peer_process import (
+    PeerError,
+    PeerProcess,
+    parse_peer_message,
+    parse_run_result,
 )
-from scripts.bench_prefix_cache import BLOCK_SIZE, build_prompts, ideal_hits
-from scripts.bench_serving import arrival_offsets_s, peer_ratios, server_device
-from scripts.bench_spec_decode import measure_vllm, run_plan, speculative_configs
-from scripts.closed_loop import ClosedLoopRun, RequestTiming, first_differences, run_closed_loop
-from scripts.copy_heavy_chats import COPY_HEAVY_TASKS, copy_heavy_conversations
-from scripts.gpu_check import ProcessRun, junit_counts, sanitizer_outcome
-from scripts.kv_offloading_report import render_markdown as render_kv_offloading
-from scripts.kv_offloading_workload import (
+from benchmarks.harness.plot_results import plot_serving, write_readme_section
+from benchmarks.kv import offloading as bench_kv_offloading
+from benchmarks.kv.offloading import CHAT_SHAPE, QUICK_CHAT_SHAPE, Reply, differing_replies
+from benchmarks.kv.offloading_report import render_markdown as render_kv_offloading
+from benchmarks.kv.offloading_workload import (
     ChatSession,
     ChatShape,
     build_chat_plan,
@@ -76,10 +63,20 @@ from scripts.kv_offloading_workload import (
     long_prompts,
     restart_pool_size,
 )
-from scripts.llama_server_peer import find_llama_server
-from scripts.pd_bench_report import add_ratios, compare_texts
-from scripts.pd_bench_report import render_markdown as render_pd_markdown
-from scripts.pd_bench_workload import (
+from benchmarks.kv.prefix_cache import BLOCK_SIZE, build_prompts, ideal_hits
+from benchmarks.micro import attention as bench_attention
+from benchmarks.offline import bench as bench_offline
+from benchmarks.offline.bench import (
+    comparison_row,
+    count_agreeing,
+    median_pair,
+    results_file_name,
+    token_passes,
+)
+from benchmarks.pd import bench as bench_pd_disaggregation
+from benchmarks.pd.report import add_ratios, compare_texts
+from benchmarks.pd.report import render_markdown as render_pd_markdown
+from benchmarks.pd.workload import (
     DECODE,
     LONG,
     WorkloadShape,
@@ -89,12 +86,20 @@ from scripts.pd_bench_workload import (
     text_mismatches,
     tpot_s,
 )
-from scripts.peer_process import PeerError, PeerProcess, parse_peer_message, parse_run_result
-from scripts.plot_results import plot_serving, write_readme_section
-from scripts.serving_profile import step_stats
-from scripts.spec_decode_counts import SpecDecodeCounts
-from scripts.spec_decode_replay import DrafterSpec, replay
-from scripts.spec_decode_report import (
+from benchmarks.peers import vllm as vllm_peer
+from benchmarks.peers.llama_server import find_llama_server
+from benchmarks.peers.vllm_bench_client import SATURATION, bench_serve_argv, summary
+from benchmarks.peers.vllm_spec_decode_arm import parse_closed_loop_result
+from benchmarks.serving import bench as bench_serving
+from benchmarks.serving import vllm_client as serving_vllm_client
+from benchmarks.serving.bench import arrival_offsets_s, peer_ratios, server_device
+from benchmarks.serving.profile import step_stats
+from benchmarks.spec_decode import bench as bench_spec_decode
+from benchmarks.spec_decode.bench import measure_vllm, run_plan, speculative_configs
+from benchmarks.spec_decode.copy_heavy_chats import COPY_HEAVY_TASKS, copy_heavy_conversations
+from benchmarks.spec_decode.counts import SpecDecodeCounts
+from benchmarks.spec_decode.replay import DrafterSpec, replay
+from benchmarks.spec_decode.report import (
     BASELINE,
     Measurement,
     build_rows,
@@ -102,16 +107,19 @@ from scripts.spec_decode_report import (
     num_differing_requests,
     render_markdown,
 )
-from scripts.spec_decode_report import SATURATION as SATURATION_BATCH
-from scripts.spec_decode_workloads import (
+from benchmarks.spec_decode.report import SATURATION as SATURATION_BATCH
+from benchmarks.spec_decode.workloads import (
     CHAT,
     RANDOM,
     DecodeWorkload,
     chat_workload,
     num_prompts_for,
 )
-from scripts.vllm_bench_client import SATURATION, bench_serve_argv, summary
-from scripts.vllm_spec_decode_arm import parse_closed_loop_result
+from core_engine.core.kv_cache.kv_cache_manager import KVCacheManager
+from core_engine.core.step_trace import StepRecord
+from core_engine.frontend.text.null_tokenizer import NullTokenizer
+from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
+from core_engine.kernels.cuda import backend as cuda_backend
 from tests.core_factories import make_request
 from tests.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
 
@@ -134,9 +142,16 @@ def test_token_passes_count_padding_and_overgeneration_for_transformers_only():
     assert transformers == 2 * (10 + 4) + 1 * (4 + 7)
 
 
-def run_quick(module: str, output_dir: Path, *extra: str) -> dict:
-    """Runs `python -m scripts.<module> --quick`; returns the JSON it wrote."""
-    argv = [sys.executable, "-m", f"scripts.{module}", "--quick", "--output-dir", str(output_dir)]
+def run_quick(module: str, name: str, output_dir: Path, *extra: str) -> dict:
+    """Runs `python -m benchmarks.<module> --quick`; returns the JSON it wrote as `name`."""
+    argv = [
+        sys.executable,
+        "-m",
+        f"benchmarks.{module}",
+        "--quick",
+        "--output-dir",
+        str(output_dir),
+    ]
     completed = subprocess.run(
         [*argv, *extra],
         cwd=REPO_ROOT,
@@ -145,7 +160,6 @@ def run_quick(module: str, output_dir: Path, *extra: str) -> dict:
         timeout=SCRIPT_TIMEOUT_S,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    name = module.removeprefix("bench_")
     assert (output_dir / f"{name}_quick.md").is_file()
     return json.loads((output_dir / f"{name}_quick.json").read_text())
 
@@ -724,7 +738,7 @@ def serving_row(rate, throughput: float, ttft_ms: float) -> dict:
 
 
 def test_data_parallel_serving_args_workload_and_markdown():
-    from scripts import serving_data_parallel as dp
+    from benchmarks.serving import data_parallel as dp
 
     assert bench_serving.parse_args(["--data-parallel-size", "2"]).data_parallel_size == 2
     for bad in (["--data-parallel-size", "1"], ["--data-parallel-size", "2", "--url", "x"]):
@@ -793,7 +807,7 @@ def test_serving_ratios_and_markdown_with_a_peer():
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_bench_offline_quick(tmp_path):
     # float32 on both sides whatever this CPU's default, so greedy first tokens can be compared.
-    result = run_quick("bench_offline", tmp_path, "--dtype", "float32")
+    result = run_quick("offline.bench", "offline", tmp_path, "--dtype", "float32")
     assert result["dtype"] == "float32"
     assert [row["workload"] for row in result["rows"]] == ["mixed", "decode-heavy", "prefill-heavy"]
     assert [row["peer"] for row in result["rows"]] == ["transformers"] * 3
@@ -818,7 +832,7 @@ def test_bench_offline_quick(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_bench_serving_quick(tmp_path):
-    result = run_quick("bench_serving", tmp_path)
+    result = run_quick("serving.bench", "serving", tmp_path)
     assert result["total_errors"] == 0
     assert [row["offered_rate"] for row in result["rows"]] == [2.0, "inf"]
     for row in result["rows"]:
@@ -834,7 +848,7 @@ def test_bench_serving_quick(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_bench_ipc_quick(tmp_path):
-    result = run_quick("bench_ipc", tmp_path)
+    result = run_quick("micro.ipc", "ipc", tmp_path)
     raw, core, frontend = result["rows"]
     assert raw["path"].startswith("raw") and core["path"].startswith("engine core")
     for row in (raw, core, frontend):
@@ -848,7 +862,7 @@ def test_bench_ipc_quick(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_bench_prefix_cache_quick(tmp_path):
-    result = run_quick("bench_prefix_cache", tmp_path)
+    result = run_quick("kv.prefix_cache", "prefix_cache", tmp_path)
     off, on = result["rows"]
     assert off["prefix_caching"] is False and off["hit_rate"] == 0.0
     assert on["prefix_caching"] is True
@@ -879,7 +893,7 @@ def tier_hit_bounds(chat: dict) -> tuple[int, int]:
 def test_bench_kv_offloading_quick_chat(tmp_path):
     """The chat measurement only: with the restart's three more servers the run takes over two
     minutes here (its parts are tested above, in-process)."""
-    result = run_quick("bench_kv_offloading", tmp_path, "--measurements", "chat")
+    result = run_quick("kv.offloading", "kv_offloading", tmp_path, "--measurements", "chat")
     assert "restart" not in result
     chat = result["chat"]
     no_tier, tier = chat["rows"]
@@ -901,7 +915,7 @@ def test_bench_kv_offloading_quick_chat(tmp_path):
 def test_bench_spec_decode_quick_on_the_null_model(tmp_path):
     """The whole plumbing (engines with and without drafts, closed loops, counters, rows, the
     equality gate); the null model drafts but never has a draft accepted."""
-    result = run_quick("bench_spec_decode", tmp_path, "--model", "null",
+    result = run_quick("spec_decode.bench", "spec_decode", tmp_path, "--model", "null",
                        "--methods", "ngram", "suffix")  # fmt: skip
     assert result["num_differing_requests_engine"] == 0
     assert [w["name"] for w in result["workloads"]] == ["copy-heavy-chat", "random"]
@@ -929,7 +943,7 @@ def test_bench_spec_decode_quick_on_the_null_model(tmp_path):
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_profile_step_quick_times_every_part(tmp_path):
     """Every part has a timer that ran (a renamed layer function would leave it at zero)."""
-    result = run_quick("profile_step", tmp_path, "--name", "profile_step")
+    result = run_quick("micro.profile_step", "profile_step", tmp_path, "--name", "profile_step")
     assert result["output_tokens"] > 0
     for kind in ("decode", "prefill"):
         summary = result["summary"][kind]
@@ -955,7 +969,7 @@ def test_profile_step_quick_times_every_part(tmp_path):
 )
 def test_bench_linears_quick_times_every_way(tmp_path, dtype, torch_ways):
     """Every way torch offers everywhere, plus the project's kernel first where it is built."""
-    result = run_quick("bench_linears", tmp_path, "--dtype", dtype)
+    result = run_quick("micro.linears", "linears", tmp_path, "--dtype", dtype)
     assert result["dtype"] == dtype
     assert [row["rows"] for row in result["rows"]] == [1, 28]
     for row in result["rows"]:
@@ -967,7 +981,7 @@ def test_bench_linears_quick_times_every_way(tmp_path, dtype, torch_ways):
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_bench_pd_disaggregation_quick(tmp_path):
     """One instance and the disaggregated arm (the single-core arm is left out to save time)."""
-    result = run_quick("bench_pd_disaggregation", tmp_path, "--arms", "disaggregated",
+    result = run_quick("pd.bench", "pd_disaggregation", tmp_path, "--arms", "disaggregated",
                        "--dtype", "float32")  # fmt: skip
     assert result["total_errors"] == 0
     one, disaggregated = result["rows"]
@@ -984,20 +998,36 @@ def test_bench_pd_disaggregation_quick(tmp_path):
     assert result["total_text_mismatches"] <= 1
 
 
-# Scripts that a user starts, with an argparse --help; the peer_vllm_* runners run inside
-# vLLM's own virtual environment and read their work from stdin.
+# The user tools in scripts/: each has an argparse --help and runs as a file or as a module.
 USER_SCRIPTS = sorted(
     path.stem
     for path in (REPO_ROOT / "scripts").glob("*.py")
-    if 'if __name__ == "__main__"' in path.read_text() and not path.stem.startswith("peer_vllm_")
+    if 'if __name__ == "__main__"' in path.read_text()
+)
+# Every benchmark module with a command line, run as `python -m benchmarks.<subject>.<name>`;
+# the vLLM runners run inside vLLM's own virtual environment and read their work from stdin.
+BENCHMARK_COMMANDS = sorted(
+    ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    for path in (REPO_ROOT / "benchmarks").rglob("*.py")
+    if 'if __name__ == "__main__"' in path.read_text() and not path.stem.endswith("_runner")
+) + sorted(
+    f"benchmarks.{path.parent.name}" for path in (REPO_ROOT / "benchmarks").glob("*/__main__.py")
 )
 
 
-@pytest.mark.parametrize("name", USER_SCRIPTS)
-def test_every_script_runs_as_a_file_and_as_a_module(name, tmp_path):
-    as_file = [sys.executable, str(REPO_ROOT / "scripts" / f"{name}.py"), "--help"]
-    as_module = [sys.executable, "-m", f"scripts.{name}", "--help"]
-    for argv, cwd in ((as_file, tmp_path), (as_module, REPO_ROOT)):
+def test_scripts_holds_the_user_tools_only():
+    assert USER_SCRIPTS == ["generate", "gguf_to_bf16"]
+    assert len(BENCHMARK_COMMANDS) >= 20
+
+
+@pytest.mark.parametrize("name", [f"scripts.{n}" for n in USER_SCRIPTS] + BENCHMARK_COMMANDS)
+def test_every_command_answers_help(name, tmp_path):
+    """As `python -m` from the repository; a user tool also as a file from anywhere."""
+    runs = [([sys.executable, "-m", name, "--help"], REPO_ROOT)]
+    if name.startswith("scripts."):
+        path = REPO_ROOT.joinpath(*name.split(".")).with_suffix(".py")
+        runs.append(([sys.executable, str(path), "--help"], tmp_path))
+    for argv, cwd in runs:
         result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, f"{' '.join(argv[1:])}: {result.stderr[-2000:]}"
         assert "usage:" in result.stdout
@@ -1006,7 +1036,7 @@ def test_every_script_runs_as_a_file_and_as_a_module(name, tmp_path):
 def test_kv_memory_benchmark_groups_gemma3_layers_and_frees_out_of_window_blocks():
     import argparse
 
-    from scripts.bench_kv_memory import ModelShape, measure
+    from benchmarks.kv.memory import ModelShape, measure
 
     shape = ModelShape(
         num_layers=18, num_kv_heads=1, head_dim=256, sliding_window=512, global_layer_every=6
@@ -1033,7 +1063,7 @@ def test_kv_memory_benchmark_groups_gemma3_layers_and_frees_out_of_window_blocks
     assert hybrid["max_concurrent_requests"] == expected == 15
 
 
-# ---- the GPU run kit (scripts/gpu_check.py): its dry run goes through the same plumbing as a
+# ---- the GPU run kit (benchmarks/gpu/check.py): its dry run goes through the same plumbing as a
 # GPU run; its parsers read real tool output shapes; its sanitizer cases launch every kernel
 # they promise (in the CPU emulator of the CUDA kernels); what it imports exists on the GPU
 # machine or in its wheelhouse; its benchmark targets are the issue's. -------------------------
@@ -1044,7 +1074,7 @@ def test_kv_memory_benchmark_groups_gemma3_layers_and_frees_out_of_window_blocks
 def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     completed = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.gpu.check", "--dry-run", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -1176,7 +1206,7 @@ def test_sanitizer_case_script_refuses_to_run_without_cuda():
 
 IMPORT_PROBE = """
 import sys
-import scripts.gpu_engine_check, scripts.gpu_sanitize_cases, scripts.bench_attention
+import benchmarks.gpu.engine_check, benchmarks.gpu.sanitize_cases, benchmarks.micro.attention
 import tests.test_kernels_gpu, core_engine.frontend.llm, core_engine.core.engine_core_proc
 import core_engine.worker.worker, core_engine.worker.model_executor.model_loader
 import core_engine.worker.model_executor.safetensors_loader, core_engine.worker.__main__
@@ -1731,8 +1761,8 @@ def test_peer_results_are_checked():
 
 
 def test_results_go_to_a_folder_named_after_the_cpu_kind(monkeypatch):
+    from benchmarks.harness.common import RESULTS_DIR, device_results_dir
     from core_engine.worker import cpu_features
-    from scripts.bench_common import RESULTS_DIR, device_results_dir
 
     monkeypatch.setattr(cpu_features, "host_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert device_results_dir("cpu") == RESULTS_DIR / "avx2"

@@ -3,7 +3,7 @@ with no spills, at most 255 registers, shared memory within the limits the launc
 the occupancy the code assumes.
 
 The configurations come from `kernels.cuda.launch_config`'s own launch functions
-(`scripts.kernels_static.enumerate_configs`), so a new one is covered automatically. They are
+(`benchmarks.micro.kernels_static.enumerate_configs`), so a new one is covered automatically. They are
 compiled once per session (nvcc -ptx as NVRTC would, then ptxas -v), in parallel batches; the
 parsers of the static report (ptxas log, PTX directives, symbol names, SASS key loop) are tested
 here on captured snippets and need no compiler.

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation against one instance: `python -m benchmarks.pd [--quick]`."""
