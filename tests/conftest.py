@@ -1,8 +1,11 @@
-"""Shared pytest setup: GPU tests skip by themselves where no CUDA device is present."""
+"""Shared pytest setup: the tests of e2e/ and benchmarks/ are `slow` (the fast lane leaves them
+out), GPU tests skip by themselves where no CUDA device is present, CPU kernel tests skip on a CPU
+without their flags and are listed at the end."""
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +18,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# Folders whose every test is `slow` (real processes, servers, clusters, benchmark runs): the
+# fast lane, `pytest -m "not slow"`, leaves them to `.ci/run`.
+SLOW_FOLDERS = ("e2e", "benchmarks")
+
+
 def pytest_collection_modifyitems(config, items):
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        folder = item.path.resolve().relative_to(tests_dir).parts[0]
+        if folder in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -24,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-# CPU kernel tests (marked by `tests.cpu_kernel_builds.requires_cpu_flags`): they skip on a CPU
+# CPU kernel tests (marked by `tests.helpers.cpu_kernel_builds.requires_cpu_flags`): they skip on a CPU
 # without the flags they name, and the run ends with the list of those this host skipped, so a
 # green run on one CPU says which kernels it did not test.
 CPU_KERNEL_MARKER = "cpu_kernel"
@@ -35,7 +48,7 @@ def pytest_itemcollected(item):
     if marker is None:
         return
     from core_engine.worker.cpu_features import host_cpu_flags
-    from tests.cpu_kernel_builds import missing_flags_reason
+    from tests.helpers.cpu_kernel_builds import missing_flags_reason
 
     reason = missing_flags_reason(marker.args, marker.kwargs["kernel"], host_cpu_flags())
     if reason is not None:
@@ -52,7 +65,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not skipped and not num_ran:
         return
     from core_engine.worker.cpu_features import host_cpu_flags
-    from tests.cpu_kernel_builds import skipped_kernel_tests_summary
+    from tests.helpers.cpu_kernel_builds import skipped_kernel_tests_summary
 
     heading, lines = skipped_kernel_tests_summary(skipped, num_ran, host_cpu_flags())
     terminalreporter.write_sep("=", heading)

@@ -7,7 +7,7 @@ instances, `nvcc -arch=sm_90 -ptx -std=c++17`) and assembles them with `ptxas -a
 whose log gives registers, spill stores/loads, stack frame and static shared memory per kernel;
 the PTX gives the `__launch_bounds__` (`.maxntid`, `.minnctapersm`). With the dynamic shared
 memory and threads the launcher requests, `ctas_per_sm` gives the occupancy. Used by the CI guard
-(tests/test_kernel_resources.py) and the static report (benchmarks/micro/kernels_static.py).
+(tests/kernels/test_kernel_resources.py) and the static report (benchmarks/micro/kernels_static.py).
 """
 
 from __future__ import annotations

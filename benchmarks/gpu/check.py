@@ -194,7 +194,7 @@ def gpu_test_files() -> list[str]:
     packages the GPU machine does not have)."""
     return sorted(
         str(path.relative_to(REPO_ROOT))
-        for path in TESTS_DIR.glob("test_*.py")
+        for path in TESTS_DIR.rglob("test_*.py")
         if "mark.gpu" in path.read_text()
     )
 

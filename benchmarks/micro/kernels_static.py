@@ -248,7 +248,7 @@ def render_markdown(report: dict) -> str:
 
 
 def _problems(row: dict) -> list[str]:
-    """The limits a row breaks (the ones tests/test_kernel_resources.py asserts)."""
+    """The limits a row breaks (the ones tests/kernels/test_kernel_resources.py asserts)."""
     problems = []
     if row["spill_store_bytes"] or row["spill_load_bytes"]:
         problems.append("spills")

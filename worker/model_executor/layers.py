@@ -68,7 +68,7 @@ def residual_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
     float32 on CPU whatever the weights' dtype: with bf16 weights only the matmul inputs are
     rounded to bf16, and the sums of the residual stream stay exact enough for bf16 greedy
-    output to match float32's (tests/test_bf16_accuracy.py requires at least 90% of its prompts
+    output to match float32's (tests/worker/test_bf16_accuracy.py requires at least 90% of its prompts
     to match; a bf16 stream does not get there). It costs two [T, hidden] conversions per layer.
     On CUDA the stream stays in the model's dtype, as in transformers and vLLM.
     """
@@ -495,7 +495,7 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
 
     Packed for a CPU, it computes float32 logits whatever the model's dtype: bf16 logits are
     rounded to steps of 1/16 to 1/8 at typical magnitudes, enough to flip greedy choices
-    (tests/test_bf16_accuracy.py checks greedy agreement with float32).
+    (tests/worker/test_bf16_accuracy.py checks greedy agreement with float32).
     A bf16 weight on a CPU with AVX512_BF16 runs on `kernels.cpu.bf16_matmul` with float32
     output (the float32 logits of the bf16 operands, at bf16 speed); any other is packed for
     oneDNN in float32.

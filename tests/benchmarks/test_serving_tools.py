@@ -1,0 +1,103 @@
+"""The serving measurement tools: /proc accounting, step statistics, vLLM's client's command
+and its results."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks.harness import proc_stats
+from benchmarks.peers.vllm_bench_client import SATURATION, bench_serve_argv, summary
+from benchmarks.serving import vllm_client as serving_vllm_client
+from benchmarks.serving.profile import step_stats
+from core_engine.core.step_trace import StepRecord
+
+# ---- the serving measurement tools: /proc accounting, step statistics, vLLM's client's command
+# line and the engine / vLLM comparison, on this process and on fake results (no vLLM). --------
+
+
+def test_proc_stats_see_this_process_and_a_busy_child():
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                              "while time.time() - t < 1.5: pass"])  # fmt: skip
+    try:
+        time.sleep(0.2)
+        pids = proc_stats.process_tree(os.getpid())
+        assert os.getpid() in pids and child.pid in pids
+        before = proc_stats.snapshot(pids)
+        time.sleep(0.8)
+        deltas = proc_stats.thread_deltas(before, proc_stats.snapshot(pids))
+    finally:
+        child.wait()
+    busiest = deltas[0]
+    assert busiest.pid == child.pid and busiest.process == "-c"
+    assert 0.3 <= busiest.cpu_s <= 1.2
+    totals = proc_stats.per_process(deltas)
+    assert totals["-c"]["threads"] == 1 and totals["-c"]["cpu_s"] == busiest.cpu_s
+
+
+def test_process_label_names_python_modules():
+    assert proc_stats.process_label(os.getpid()) in ("pytest", "py.test", "__main__.py")
+
+
+def record(sent, received, tokens, reqs, decodes):
+    return StepRecord(sent, received, tokens, reqs, decodes)
+
+
+def test_step_stats_split_decode_and_prefill_steps_and_measure_gaps():
+    records = [
+        record(0.000, 0.100, 200, 2, 0),  # prefill
+        record(0.110, 0.140, 2, 2, 2),  # decode, batch 2
+        record(0.150, 0.170, 2, 2, 2),
+        record(0.200, 0.230, 1, 1, 1),  # decode, batch 1
+    ]
+    stats = step_stats(records)
+    assert stats["num_steps"] == 4 and stats["num_prefill_steps"] == 1
+    assert math.isclose(stats["prefill_step_ms_median"], 100.0)
+    assert stats["decode_steps_by_batch"] == {1: 1, 2: 2}
+    assert math.isclose(stats["decode_step_ms_median_by_batch"][2], 25.0)
+    assert math.isclose(stats["gap_ms_total"], 10 + 10 + 30)
+    assert math.isclose(stats["gap_ms_median"], 10.0)
+    assert math.isclose(stats["span_s"], 0.230)
+    assert math.isclose(stats["steps_s"], 0.100 + 0.030 + 0.020 + 0.030)
+
+
+def test_vllm_client_argv_runs_the_random_burst_with_ignore_eos(tmp_path):
+    argv = bench_serve_argv("/venv/bin/python", "http://127.0.0.1:9", "m", tmp_path / "tok",
+                            SATURATION, tmp_path, "r.json")  # fmt: skip
+    assert argv[0] == "/venv/bin/python" and argv[1] == "-c"
+    pairs = dict(zip(argv[3::1], argv[4::1], strict=False))
+    assert pairs["--random-input-len"] == "128" and pairs["--random-output-len"] == "64"
+    assert pairs["--num-prompts"] == "64" and pairs["--request-rate"] == "inf"
+    assert pairs["--endpoint"] == "/v1/completions" and "--ignore-eos" in argv
+
+
+def fake_result(throughput, ttft, tpot, completed=64):
+    return {"output_throughput": throughput, "median_ttft_ms": ttft, "median_tpot_ms": tpot,
+            "median_itl_ms": tpot, "p99_tpot_ms": 2 * tpot, "completed": completed,
+            "num_prompts": 64}  # fmt: skip
+
+
+def test_summary_counts_failed_requests_when_the_client_does_not():
+    assert summary(fake_result(100.0, 5.0, 2.0, completed=60))["failed"] == 4
+
+
+def test_ratios_and_markdown_compare_engine_with_vllm():
+    ours = {"saturation": {"summary": summary(fake_result(150.0, 400.0, 30.0))}}
+    theirs = {"saturation": {"summary": summary(fake_result(100.0, 500.0, 40.0))}}
+    table = serving_vllm_client.ratios(ours, theirs)
+    assert math.isclose(table["saturation"]["output_throughput"], 1.5)
+    assert math.isclose(table["saturation"]["median_ttft_ms"], 0.8)
+    result = {
+        "machine": {"processor": "cpu", "num_cpus": 2, "memory_gib": 24.0,
+                    "load_average_1m": 0.0, "python": "3", "git_commit": "x",
+                    "date_utc": "now", "cpu_simd": "AVX2"},
+        "client": "vllm bench serve", "server": "core-serve", "peer": "vLLM",
+        "num_threads": 2, "workloads": {"saturation": SATURATION.describe()},
+        "engine": ours, "vllm": theirs, "ratios": table,
+    }  # fmt: skip
+    markdown = serving_vllm_client.render_markdown(result)
+    assert "| output tok/s | 150.0 | 100.0 | 1.50 |" in markdown
+    assert "AVX2" in markdown and "64 prompts, 128 in / 64 out, rate inf" in markdown

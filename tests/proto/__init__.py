@@ -1,0 +1,1 @@
+"""Tests of `proto/`: the wire messages and codecs, the message pipe, validated configs."""
