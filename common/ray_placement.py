@@ -1,7 +1,7 @@
 """Reserving room on a Ray cluster: the connection, the bundles, the placement group, and what
 is missing when the cluster cannot hold them.
 
-Shared by the engine core (`core.ray_executor`: one bundle per worker rank) and the frontend
+Shared by the engine core (`core.executor.ray_executor`: one bundle per worker rank) and the frontend
 (`frontend.ray_core_launcher`: one placement group per data-parallel replica). `ray` is imported
 inside the functions only: nothing on the mp path loads it.
 

@@ -1,4 +1,4 @@
-"""`python -m core --frontend-address ADDR [--config B64] [--model ... engine flags]`.
+"""`python -m core_engine.core --frontend-address ADDR [--config B64] [--model ... engine flags]`.
 
 Runs one engine core process that connects to a frontend bound at ADDR (`ipc://PATH` or
 `tcp://HOST:PORT`, see `proto.endpoints`). `AsyncCoreClient` launches it with `--config` and
@@ -22,7 +22,7 @@ from core_engine.proto.engine_config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m core", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m core_engine.core", description=__doc__)
     parser.add_argument("--frontend-address", required=True, help="ipc://PATH or tcp://HOST:PORT")
     parser.add_argument("--config", default=None, help="a base EngineConfig.to_b64()")
     parser.add_argument(

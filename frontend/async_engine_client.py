@@ -88,7 +88,7 @@ class AsyncEngineClient:
         # The `model_name` label of the metrics: the served name, else the model path.
         metrics_name = model_name or config.model or "default"
         self.metrics = EngineMetrics(metrics_name, start_time_s=time.monotonic())
-        # Given an address, attach to the core started there (`python -m core
+        # Given an address, attach to the core started there (`python -m core_engine.core
         # --frontend-address ADDRESS`); never start a second one.
         launches_cores = config.data_parallel_size > 1 or config.data_parallel_backend == "ray"
         if launches_cores and address is not None:

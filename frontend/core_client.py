@@ -2,7 +2,7 @@
 
 The client binds ROUTER (requests, aborts, utility calls; the core's `EngineReady` arrives here
 too and names the core's routing id) and PULL (outputs, utility answers, `EngineDead`), in a
-private 0700 ipc directory or on a given tcp address, then launches `python -m core` (or waits
+private 0700 ipc directory or on a given tcp address, then launches `python -m core_engine.core` (or waits
 for one started by hand: "attach"). Outputs are dispatched into per-request queues by a reader
 callback on the PULL socket's file descriptor, which reads with plain non-blocking calls: no
 future, timer or reader registration per poll and per message, as awaiting zmq.asyncio calls
@@ -95,12 +95,12 @@ class AsyncCoreClient:
     ERROR, or the ABORT that `abort` puts there itself); or an `EngineDeadError` if the core
     dies first. Every method must be called on the event loop that ran `start()`.
     `launch_core=False` waits for a core started separately with
-    `python -m core --frontend-address ADDRESS` (`address` is then required), which may have
+    `python -m core_engine.core --frontend-address ADDRESS` (`address` is then required), which may have
     served other clients before this one and serves the next one after it.
     `env`: the launched core's environment (None: this process's). `on_outputs` sees every
     `EngineCoreOutputs` before its outputs are dispatched (a data-parallel router counts load
     and reads the core's KV cache events there). `label` prefixes the reasons of its death
-    ("engine core 1 of 2"). `launcher` starts the core (default: `python -m core` as this
+    ("engine core 1 of 2"). `launcher` starts the core (default: `python -m core_engine.core` as this
     process's child; see `frontend.core_process`).
     """
 
@@ -280,7 +280,7 @@ class AsyncCoreClient:
     def _check_no_core_wait(self, waited_s: float) -> None:
         """Attach, while no core has connected: a warning once NO_CORE_WARNING_S have passed,
         EngineCoreNotFoundError once startup_timeout_s have."""
-        start_one = f"start one with `python -m core --frontend-address {self.address} --model ...`"
+        start_one = f"start one with `python -m core_engine.core --frontend-address {self.address} --model ...`"
         if waited_s >= self.config.startup_timeout_s:
             raise EngineCoreNotFoundError(
                 f"no engine core connected to {self.address} within startup_timeout_s="

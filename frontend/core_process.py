@@ -1,7 +1,7 @@
 """`CoreProcess`: an engine core the frontend launched, wherever it runs, and `CoreLauncher`,
 what starts one.
 
-`LocalCoreProcess` is `python -m core` as this process's child (the default); a data-parallel
+`LocalCoreProcess` is `python -m core_engine.core` as this process's child (the default); a data-parallel
 replica placed by Ray is a `frontend.ray_core_launcher.RayCoreProcess`. `AsyncCoreClient` only
 asks a core process whether it has ended and stops it.
 """
@@ -38,13 +38,13 @@ class CoreLauncher(Protocol):
 
 
 def core_arguments(address: str, config: EngineConfig) -> list[str]:
-    """`python -m core`'s arguments for a core launched by a frontend: it stops with its
+    """`python -m core_engine.core`'s arguments for a core launched by a frontend: it stops with its
     launcher (`--watch-parent`)."""
     return ["--frontend-address", address, "--config", config.to_b64(), "--watch-parent"]
 
 
 class LocalCoreProcess:
-    """`python -m core` as a child of this process."""
+    """`python -m core_engine.core` as a child of this process."""
 
     def __init__(self, process: subprocess.Popen) -> None:
         self.process = process

@@ -1,9 +1,9 @@
 """`RayCoreLauncher`: data-parallel replicas placed by Ray (`data_parallel_backend="ray"`).
 
 The frontend joins the Ray cluster and reserves one placement group per replica, one bundle per
-tensor-parallel rank (as `core.ray_executor` would for one core). Replica r's engine core runs in
+tensor-parallel rank (as `core.executor.ray_executor` would for one core). Replica r's engine core runs in
 a `RayCoreActor` on bundle 0 of its group (asking for no resources of its own, so it sits on
-rank 0's node): the actor runs `python -m core --watch-parent` as its child, which connects to
+rank 0's node): the actor runs `python -m core_engine.core --watch-parent` as its child, which connects to
 this frontend over TCP (the frontend binds its node's address) and places its workers on the
 group's bundles (`PLACEMENT_GROUP_ENV`). The prefix-aware router and everything above it are the
 same as for cores that are this frontend's children.
@@ -51,7 +51,7 @@ class RayCoreActor:
         return ray.util.get_node_ip_address()
 
     def run(self, argv: list[str], env: dict[str, str]) -> int:
-        """Runs `python -m core` with `argv` and `env` on top of this process's environment;
+        """Runs `python -m core_engine.core` with `argv` and `env` on top of this process's environment;
         its exit code."""
         command = [*python_module_command("core_engine.core"), *argv]
         self._process = subprocess.Popen(command, env={**os.environ, **env})

@@ -1,7 +1,7 @@
 """How one frontend address names the two sockets of the frontend <-> engine core link.
 
 The frontend binds, the core connects, and both derive the pair from the same single address, so
-`python -m core --frontend-address ADDR` and `AsyncCoreClient(config, ADDR)` always agree.
+`python -m core_engine.core --frontend-address ADDR` and `AsyncCoreClient(config, ADDR)` always agree.
 Also the one reading of a TCP address (`tcp://HOST:PORT`) for the links of workers on other
 hosts (`parse_tcp_address`).
 """

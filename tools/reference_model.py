@@ -2,7 +2,7 @@
 tests and the transformers baseline of the benchmarks compare the engine against.
 
 The conversion is transformers' own GGUF code (dequantize, undo llama.cpp's Q/K permutation), so
-it is independent of `worker.gguf_loader`. Needs the `test` extra (transformers); nothing is
+it is independent of `worker.model_executor.gguf_loader`. Needs the `test` extra (transformers); nothing is
 downloaded. The folder (float32) is cached on disk under $CORE_ENGINE_TEST_CACHE or
 ~/.cache/core-engine-tests, keyed by the GGUF's name, size and mtime.
 """
@@ -38,7 +38,7 @@ def converted_gguf_folder(gguf_path: Path) -> Path:
     """A GGUF file as an HF folder, converted once by transformers and cached on disk.
 
     The conversion is transformers' own (dequantize + undo llama.cpp's Q/K permutation, Gemma's
-    norm weights minus 1), so it is an independent reference for `worker.gguf_loader`. Safe
+    norm weights minus 1), so it is an independent reference for `worker.model_executor.gguf_loader`. Safe
     against concurrent builders: the folder is built aside and renamed into place.
     """
     gguf_path = Path(gguf_path)

@@ -1,4 +1,4 @@
-"""`python -m worker ...`: one device process, started by the engine core's MultiprocExecutor, or by
+"""`python -m core_engine.worker ...`: one device process, started by the engine core's MultiprocExecutor, or by
 hand (ssh, a cluster launcher) on another host.
 
 Local (the MultiprocExecutor's child): `--pipe-fd FD --dist-init-address ADDR --config B64`; the pipe is
@@ -183,7 +183,7 @@ def _export_distributed_env(dist_init_address: str, rank: int, world_size: int) 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m worker",
+        prog="python -m core_engine.worker",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -2,7 +2,7 @@
 
 One worker process per device, rank r of `world_size` N, all in one default process group:
 NCCL on CUDA, gloo on CPU. The rendezvous is torch.distributed's own (`init_method`, by default
-`env://`: `MASTER_ADDR`, `MASTER_PORT`, set by `python -m worker` from the address the engine
+`env://`: `MASTER_ADDR`, `MASTER_PORT`, set by `python -m core_engine.worker` from the address the engine
 core chose), so ranks on other hosts join the same way over TCP.
 
 gloo binds each rank to one local address and tells the other ranks to connect there. Left to

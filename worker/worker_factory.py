@@ -1,6 +1,6 @@
 """A worker built from the engine's `EngineConfig`, and the `WorkerReady` it answers with.
 
-The worker process (`python -m worker`) and the in-process `LocalExecutor` both build their
+The worker process (`python -m core_engine.worker`) and the in-process `LocalExecutor` both build their
 worker here, so a config means the same worker in either.
 """
 

@@ -1,7 +1,7 @@
 """KV cache memory of Gemma 3 270M: hybrid groups against every layer at full attention.
 
 Gemma 3 puts a 512-token sliding window on five of every six layers. With hybrid KV cache
-groups (core/kv_cache_coordinator.py) those layers keep only the blocks inside their window;
+groups (core/kv_cache/kv_cache_coordinator.py) those layers keep only the blocks inside their window;
 with all-full groups every layer keeps the whole context. Both are measured with the core's own
 `KVCacheManager`, driven the way the scheduler drives it: a request's prompt is computed in steps
 of `--step-tokens` (`allocate_slots`, then its computed count advances, so blocks that leave the

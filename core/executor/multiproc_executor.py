@@ -1,7 +1,7 @@
 """`MultiprocExecutor`: the engine core's side of the worker processes (a `PollableExecutor`).
 
 It starts ranks 0..K-1 (`EngineConfig.num_local_ranks`, by default all `tensor_parallel_size`)
-as processes (`python -m worker`, so `core/` never imports `worker/`) and talks to each over its
+as processes (`python -m core_engine.worker`, so `core/` never imports `worker/`) and talks to each over its
 own `MessagePipe`, a socketpair whose other end the worker inherits. Ranks K..N-1 run on other
 hosts: they connect to the core's `worker_address` and join through `WorkerListener`'s
 handshake, and their pipe is that TCP connection. Either way, messages are broadcast to every
@@ -177,7 +177,7 @@ class MultiprocExecutor:
                 raise WorkerFailedError(
                     f"worker {describe_ranks(missing)} never joined at {listener.address} "
                     f"within startup_timeout_s={self.config.startup_timeout_s} s (start each "
-                    f"on its host: python -m worker --core-address {listener.address} --rank R "
+                    f"on its host: python -m core_engine.worker --core-address {listener.address} --rank R "
                     f"--world-size {self.config.tensor_parallel_size})"
                 )
             for joined in listener.accept(min(remaining_s, POLL_INTERVAL_S)):
@@ -378,7 +378,7 @@ class MultiprocExecutor:
 
         A remote worker cannot be stopped from here: it gets the same Shutdown and the same
         time to close its connection before the core closes its end (which also ends a remote
-        worker that is still running, see `python -m worker --core-address`).
+        worker that is still running, see `python -m core_engine.worker --core-address`).
         Bounded by about `2 * shutdown_timeout_s`; safe to call more than once.
         """
         if self._listener is not None:

@@ -4,7 +4,7 @@ With `distributed_executor_backend="ray"` the engine core joins a Ray cluster (`
 else one started on this host with `ray start`, else a new local one), reserves a placement
 group of one bundle per rank (`ray_cpus_per_worker` CPUs, or one GPU when the cluster has GPUs
 and the device allows CUDA) with `ray_placement_strategy`, and starts rank r as a
-`RayWorkerActor` on bundle r. Each actor runs `python -m worker --core-address ...`, which joins
+`RayWorkerActor` on bundle r. Each actor runs `python -m core_engine.worker --core-address ...`, which joins
 this core over the TCP worker protocol exactly as a worker started by hand on another host
 (`MultiprocExecutor` with every rank remote: `WorkerListener` on a free port of this node,
 torch.distributed's rendezvous on a free port of rank 0's node). Steps, outputs and errors travel

@@ -1,7 +1,7 @@
 """`RayWorkerActor`: the Ray actor that is one rank's worker process on its bundle's node.
 
-`RayExecutor` starts one per rank. Its `run` is `python -m worker --core-address ...` in the
-actor's own process (the module run by name, as `MultiprocExecutor` starts `python -m worker` by
+`RayExecutor` starts one per rank. Its `run` is `python -m core_engine.worker --core-address ...` in the
+actor's own process (the module run by name, as `MultiprocExecutor` starts `python -m core_engine.worker` by
 name, so the engine core never imports `worker/` or torch): the worker joins the core over the
 engine's TCP worker protocol and serves steps on that link, and `run` returns its exit code when
 it ends. The actor and the worker are one process, so whatever ends one ends the other: a lost

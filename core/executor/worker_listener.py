@@ -1,7 +1,7 @@
 """`WorkerListener`: where workers on other hosts join the engine core over TCP.
 
 The core listens on `EngineConfig.worker_address` for the ranks it does not start itself
-(`EngineConfig.remote_ranks`). A worker (`python -m worker --core-address ...`) connects and
+(`EngineConfig.remote_ranks`). A worker (`python -m core_engine.worker --core-address ...`) connects and
 sends `WorkerHello`; the listener checks it (protocol version, world size, a remote rank not
 taken yet) and answers `WorkerWelcome`, after which the connection is that rank's `MessagePipe`
 (the same framing as a local worker's socketpair). Anything else is answered with

@@ -65,7 +65,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--frontend-address",
         default=None,
         help="ipc:// or tcp:// address to wait on for an engine core started separately "
-        "(`python -m core --frontend-address ADDR`); default: start the core here",
+        "(`python -m core_engine.core --frontend-address ADDR`); default: start the core here",
     )
     parser.add_argument(
         "--tool-call-parser",

@@ -1,10 +1,10 @@
 """The elementwise ops of a decoder layer through the C kernels of `fused_ops.c`.
 
-Each op does in one pass over its rows what the torch code in `worker/layers.py` does in
+Each op does in one pass over its rows what the torch code in `worker/model_executor/layers.py` does in
 several (temporaries, dtype conversions, a `cat`), computing in float32 and rounding a bf16
 result once. `supports(...)` says whether the C path applies: the kernels are built and
 enabled, and every tensor is a CPU tensor of float32 or bfloat16 laid out as the op needs.
-The callers in `worker/layers.py` fall back to torch otherwise (CUDA, float16,
+The callers in `worker/model_executor/layers.py` fall back to torch otherwise (CUDA, float16,
 --enforce-eager, no compiler).
 """
 

@@ -1,4 +1,4 @@
-"""Attach: one engine core started by hand (`python -m core --frontend-address ADDR`) serves
+"""Attach: one engine core started by hand (`python -m core_engine.core --frontend-address ADDR`) serves
 one client after another; a client with no core at its address says so in time.
 
 The end-to-end tests start their own core (the NullWorker, or the default model where the
@@ -37,7 +37,7 @@ CLIENT_CONFIG = EngineConfig(model="null", startup_timeout_s=5.0, shutdown_timeo
 
 
 class HandStartedCore:
-    """`python -m core --frontend-address ADDRESS ...` with its log (and its worker's) in a
+    """`python -m core_engine.core --frontend-address ADDRESS ...` with its log (and its worker's) in a
     file; `wait_for_log` polls that file."""
 
     def __init__(self, address: str, log_path: Path, *flags: str) -> None:
@@ -265,7 +265,7 @@ def test_a_client_with_no_core_at_its_address_warns_then_fails_naming_it(
     ):
         asyncio.run(client.start())
     waited_s = time.monotonic() - started_at
-    command = f"python -m core --frontend-address {address}"
+    command = f"python -m core_engine.core --frontend-address {address}"
     assert f"no engine core connected to {address} within startup_timeout_s=2 s" in str(error.value)
     assert command in str(error.value)
     # Not 2 x startup_timeout_s + shutdown_timeout_s (5 s): a connected core would get that.
@@ -285,5 +285,5 @@ def test_core_serve_with_no_core_at_its_address_exits_with_one_clear_line(tmp_pa
     log = server.log_tail(100_000)
     assert exit_code == 3, log
     assert f"no engine core connected to {address} within startup_timeout_s=2 s" in log
-    assert f"python -m core --frontend-address {address}" in log
+    assert f"python -m core_engine.core --frontend-address {address}" in log
     assert "Traceback" not in log

@@ -272,7 +272,7 @@ def test_tensor_parallel_workers_all_start_and_rank_0_answers():
 
 
 class RawFrontend:
-    """Binds the frontend sockets itself and runs `python -m core` as a hand-started core."""
+    """Binds the frontend sockets itself and runs `python -m core_engine.core` as a hand-started core."""
 
     def __init__(self, ipc_dir: Path, *core_flags: str) -> None:
         self.context = zmq.Context()

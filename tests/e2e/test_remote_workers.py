@@ -75,7 +75,7 @@ NAME_PREFIX = "crw"  # core remote workers: every link and namespace this module
 
 @dataclass
 class RemoteWorker:
-    """A `python -m worker --core-address ...` process; its log goes to a file (a pipe nobody
+    """A `python -m core_engine.worker --core-address ...` process; its log goes to a file (a pipe nobody
     reads could fill and block it)."""
 
     process: subprocess.Popen

@@ -70,7 +70,7 @@ def null_server(
 
 
 def engine_pid(server: ServerProcess, module: str) -> int:
-    """The pid of core-serve's `python -m core` or `python -m worker` descendant."""
+    """The pid of core-serve's `python -m core_engine.core` or `python -m core_engine.worker` descendant."""
     (pid,) = [
         pid
         for pid in descendant_pids(server.process.pid)
@@ -321,7 +321,7 @@ def test_a_busy_port_fails_at_once_naming_it_before_any_engine_starts(tmp_path):
 
 
 def test_core_serve_attaches_to_a_separately_started_core_and_starts_none(tmp_path):
-    """`core-serve --frontend-address ADDR` waits for `python -m core --frontend-address ADDR`:
+    """`core-serve --frontend-address ADDR` waits for `python -m core_engine.core --frontend-address ADDR`:
     that core's one worker serves the requests, and core-serve starts no engine of its own."""
     address = f"ipc://{tmp_path}/engine"
     core = subprocess.Popen(

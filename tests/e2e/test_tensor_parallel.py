@@ -331,7 +331,7 @@ async def still_alive_after(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def worker_pid(core_pid: int, rank: int) -> int:
-    """The pid of the core's `python -m worker --rank RANK` child."""
+    """The pid of the core's `python -m core_engine.worker --rank RANK` child."""
     for pid in child_pids(core_pid):
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if b"--rank" in argv and argv[argv.index(b"--rank") + 1] == str(rank).encode():

@@ -217,7 +217,7 @@ def num_blocks_needed(block_ids_per_request: list[list[int]]) -> int:
     return 1 + max(max(block_ids) for block_ids in block_ids_per_request)
 
 
-# HF module name -> llama.cpp tensor name, written out independently of worker.gguf_loader.
+# HF module name -> llama.cpp tensor name, written out independently of worker.model_executor.gguf_loader.
 _HF_TO_GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",

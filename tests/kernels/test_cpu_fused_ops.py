@@ -1,5 +1,5 @@
 """The fused elementwise C kernels of the CPU worker against float64 references and the torch
-ops of `worker/layers.py` they replace.
+ops of `worker/model_executor/layers.py` they replace.
 
 Each kernel computes in float32 and rounds a bf16 result once, so in float32 it agrees with a
 float64 reference to float32 rounding, and in bf16 to one bf16 rounding step of the output.

@@ -5,7 +5,7 @@ bulk of a Q4_K_M file) by this module's vectorized numpy (`dequantize_q4_k`, `de
 bit-exact with the `gguf` package's reference), every other type (Q4_1, Q5_0, Q8_0, F16, ...) by
 the `gguf` package. llama.cpp stores the Q and K projections of the `llama` architecture with
 rows permuted for its interleaved RoPE; `iter_gguf_weights` undoes that, so the weights match
-the HF layout that `worker.layers.RotaryEmbedding` (rotate-half) expects. Its Gemma converter
+the HF layout that `worker.model_executor.layers.RotaryEmbedding` (rotate-half) expects. Its Gemma converter
 stores every RMSNorm weight as 1 + w; the loader subtracts the 1 again, as transformers does,
 so the weights are the HF checkpoint's (whose Gemma norms multiply by 1 + w).
 """

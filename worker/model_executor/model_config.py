@@ -1,7 +1,7 @@
 """`ModelConfig`: the flat, validated shape of a Llama-family model, from config.json or GGUF.
 
 Both sources go through one parser: a GGUF file's metadata is first translated into a
-config.json-style dict (`worker.gguf_loader.gguf_to_hf_config`), so every default and every
+config.json-style dict (`worker.model_executor.gguf_loader.gguf_to_hf_config`), so every default and every
 check lives here once.
 """
 
@@ -140,7 +140,7 @@ class ModelConfig:
 
 def load_hf_model_config(path: Path) -> ModelConfig:
     """Reads an HF folder: config.json [+ generation_config.json]. (A GGUF file's config comes
-    from `worker.gguf_loader.gguf_model_config`; `worker.model_loader.load_model_config` takes
+    from `worker.model_executor.gguf_loader.gguf_model_config`; `worker.model_executor.model_loader.load_model_config` takes
     either.)
 
     Raises FileNotFoundError naming the missing file, ValueError for unsupported models.

@@ -7,7 +7,7 @@ dtype, queries scaled by query_pre_attn_scalar ** -0.5, optional final logit sof
 two kinds of layers: sliding-window layers (attend to the last `sliding_window` positions, RoPE
 base `rope_local_theta`) and global layers (full attention, `rope_theta` and `rope_scaling`).
 
-Attention and MLP are `worker.models.llama`'s, given Gemma's q/k norm class, query scale,
+Attention and MLP are `worker.model_executor.models.llama`'s, given Gemma's q/k norm class, query scale,
 activation and, on sliding layers, the window (`kernels.write_kv_and_attend(...,
 sliding_window=)` skips keys before it; with KV cache groups, the blocks before the window are
 freed). Parameter names follow transformers, with q/k/v and gate/up fused as in Llama.
