@@ -29,7 +29,7 @@ runs). Exits 1 when a step failed or timed out.
 The CUDA machine has Python 3.12 with torch, CuPy, pytest and numpy but not msgspec or pyzmq
 (nor gguf, which the kit does not need: no GGUF file travels), and nothing can be installed
 there from a registry: `--make-wheelhouse DIR` downloads exactly those wheels (the versions
-installed here) for it. The README's GPU section gives the
+installed here) for it. docs/kernels.md's GPU section gives the
 device command.
 """
 

@@ -542,7 +542,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def results_file_name(device: str, peers: list[str], peer_dtype: str | None = None) -> str:
-    """The results' base name: `offline` against transformers alone on cpu (the README's table);
+    """The results' base name: `offline` against transformers alone on cpu (a table of docs/benchmarks.md);
     the device, the peers and a peer dtype of their own otherwise, so that no comparison
     overwrites another."""
     name = "offline" if device == "cpu" else f"offline_{device}"

@@ -55,7 +55,7 @@ from benchmarks.harness.common import (
     stream_completion,
     write_results,
 )
-from benchmarks.harness.plot_results import plot_serving
+from benchmarks.harness.results_page import plot_serving
 
 MAX_CONNECTIONS = 2048
 REQUEST_TIMEOUT_S = 1800.0

@@ -181,7 +181,7 @@ def test_the_kit_imports_only_what_the_gpu_machine_has_or_the_wheelhouse_brings(
         timeout=120,
     )
     assert completed.returncode == 0, completed.stderr
-    ours = {"core_engine", "tools", "scripts", "tests"}
+    ours = {"core_engine", "tools", "scripts", "benchmarks", "tests"}
     third_party = {
         name
         for name in completed.stdout.split()

@@ -6,9 +6,16 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.harness.common import (
+    RESULTS_DIR,
     markdown_table,
 )
-from benchmarks.harness.plot_results import plot_serving, write_readme_section
+from benchmarks.harness.results_page import (
+    PAGE_INTRO,
+    PAGE_PATH,
+    plot_serving,
+    render_page,
+    write_page,
+)
 from benchmarks.kv import offloading as bench_kv_offloading
 from benchmarks.kv.offloading import CHAT_SHAPE, QUICK_CHAT_SHAPE, Reply, differing_replies
 from benchmarks.kv.offloading_report import render_markdown as render_kv_offloading
@@ -213,7 +220,7 @@ def test_markdown_table_aligns_numbers_right():
     assert table.splitlines() == ["| name | value |", "|:---|---:|", "| a | 1 |"]
 
 
-def test_plot_and_readme_section(tmp_path):
+def test_plot_and_benchmarks_page(tmp_path):
     rows = [
         {
             "offered_rate": rate,
@@ -230,15 +237,25 @@ def test_plot_and_readme_section(tmp_path):
     peer = {"name": "vllm", "version": "9.9", "rows": rows}
     plot_serving({"rows": rows, "server": "test", "peer": peer}, results_dir / "serving_vllm.png")
     assert (results_dir / "serving_vllm.png").read_bytes().startswith(PNG_MAGIC)
+    (results_dir / "README.md").write_text("# CPU runs\n\n## On one CPU\n\nwhat ran\n")
     (results_dir / "offline.md").write_text("### Offline table\n")
     (results_dir / "serving.md").write_text("### Serving table\n")
     (results_dir / "offline_quick.md").write_text("### must not appear\n")
     (results_dir / "scheduler.md").write_text("| running |\n|---:|\n| 64 |\n")
-    section = tmp_path / "benchmarks" / "README_SECTION.md"
-    write_readme_section(results_dir, section)
-    text = section.read_text()
-    assert text.index("### Offline table") < text.index("### Serving table")
-    assert "](benchmarks/results/serving.png)" in text
-    assert "](benchmarks/results/serving_vllm.png)" not in text  # no serving_vllm.md table
+    page = tmp_path / "docs" / "benchmarks.md"
+    write_page(results_dir, page)
+    text = page.read_text()
+    assert text.startswith(PAGE_INTRO)
+    assert "\n## CPU runs\n" in text and "\n### On one CPU\n" in text  # a section of the page
+    assert text.index("what ran") < text.index("### Offline table") < text.index("### Serving")
+    assert "](../benchmarks/results/serving.png)" in text
+    assert "serving_vllm.png" not in text  # no serving_vllm.md table
     assert "must not appear" not in text
     assert "### Scheduler" in text and text.index("### Scheduler") < text.index("| running |")
+
+
+def test_the_benchmarks_page_is_the_one_the_results_give():
+    """docs/benchmarks.md is generated, never edited: it equals what the results give now."""
+    assert render_page(RESULTS_DIR, PAGE_PATH.parent) == PAGE_PATH.read_text(), (
+        "docs/benchmarks.md is out of date: python -m benchmarks.harness.results_page"
+    )

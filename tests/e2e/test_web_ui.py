@@ -2,7 +2,7 @@
 
 The browser is the distribution's Chromium (`apt-get install chromium`, which .ci/run does)
 driven by Playwright for Python; without either, the browser tests skip saying which is
-missing. Screenshots go to $CORE_ENGINE_SCREENSHOT_DIR when set (the README's come from here).
+missing. Screenshots go to $CORE_ENGINE_SCREENSHOT_DIR when set (the docs' come from here).
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def test_the_api_key_may_come_from_the_environment_and_the_flag_wins(monkeypatch
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Variables of other programs that the engine reads, listed in the README with its own.
+# Variables of other programs that the engine reads, listed in docs/serving.md with its own.
 STANDARD_ENVIRONMENT_VARIABLES = (
     "CC",
     "OMP_NUM_THREADS",
@@ -241,17 +241,18 @@ STANDARD_ENVIRONMENT_VARIABLES = (
 )
 
 
-def _readme_section(title: str) -> str:
-    readme = (REPO_ROOT / "README.md").read_text()
-    start = readme.index(f"\n## {title}\n")
-    end = readme.find("\n## ", start + 1)
-    return readme[start:end]
+def _serving_reference_section(title: str) -> str:
+    """A section of docs/serving.md, the reference of core-serve."""
+    reference = (REPO_ROOT / "docs" / "serving.md").read_text()
+    start = reference.index(f"\n## {title}\n")
+    end = reference.find("\n## ", start + 1)
+    return reference[start:end]
 
 
-def test_the_readme_flag_table_lists_every_core_serve_flag():
+def test_the_reference_flag_table_lists_every_core_serve_flag():
     from core_engine.frontend.openai.cli import make_parser
 
-    table = _readme_section("`core-serve` flags")
+    table = _serving_reference_section("`core-serve` flags")
     flags = [
         option
         for action in make_parser()._actions
@@ -260,11 +261,11 @@ def test_the_readme_flag_table_lists_every_core_serve_flag():
     ]
     assert len(flags) > 25
     missing = [flag for flag in flags if f"`{flag}`" not in table]
-    assert missing == [], f"README's `core-serve` flags table lacks {missing}"
+    assert missing == [], f"docs/serving.md's `core-serve` flags table lacks {missing}"
 
 
-def test_the_readme_lists_every_environment_variable_the_engine_reads():
-    table = _readme_section("Environment variables")
+def test_the_reference_lists_every_environment_variable_the_engine_reads():
+    table = _serving_reference_section("Environment variables")
     ours = set()
     for package in ("common", "core", "frontend", "kernels", "proto", "worker"):
         for path in (REPO_ROOT / package).rglob("*.py"):
@@ -275,7 +276,7 @@ def test_the_readme_lists_every_environment_variable_the_engine_reads():
         for name in sorted(ours) + list(STANDARD_ENVIRONMENT_VARIABLES)
         if f"`{name}`" not in table
     ]
-    assert missing == [], f"README's environment variable table lacks {missing}"
+    assert missing == [], f"docs/serving.md's environment variable table lacks {missing}"
 
 
 def test_help_shows_the_default_host_and_port(capsys):
