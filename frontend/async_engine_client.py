@@ -246,7 +246,13 @@ class AsyncEngineClient:
             params = msgspec.structs.replace(params, bad_words_token_ids=token_ids)
         if prompt_token_ids is None or not isinstance(prompt, str):
             prompt_token_ids = self.tokenize(prompt)
-        check_request_fits(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        check_request_fits(
+            prompt_token_ids,
+            params,
+            self._core.ready.vocab_size,
+            self.max_model_len,
+            prompt_vocab_size=self.vocab_size,
+        )
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         if params.prompt_logprobs is not None and isinstance(self.tokenizer, NullTokenizer):

@@ -15,19 +15,22 @@ def check_request_fits(
     params: SamplingParams,
     vocab_size: int,
     max_model_len: int,
+    prompt_vocab_size: int | None = None,
 ) -> None:
     """ParameterError naming the field unless the request fits: a prompt of at least one token,
-    every token id in [0, vocab_size), room in the context window for at least one generated
-    token (`max_tokens` of them when given), and stop, biased and banned token ids the model
-    can produce."""
+    every token id in [0, prompt_vocab_size) (default vocab_size; the frontend's is also
+    bounded by what its tokenizer decodes), room in the context window for at least one
+    generated token (`max_tokens` of them when given), and stop, biased and banned token ids
+    the model can produce (below vocab_size)."""
     num_prompt_tokens = len(prompt_token_ids)
     if num_prompt_tokens == 0:
         raise ParameterError("prompt", "the prompt must not be empty")
+    prompt_vocab = vocab_size if prompt_vocab_size is None else prompt_vocab_size
     lowest, highest = min(prompt_token_ids), max(prompt_token_ids)
-    if lowest < 0 or highest >= vocab_size:
+    if lowest < 0 or highest >= prompt_vocab:
         outside = lowest if lowest < 0 else highest
         raise ParameterError(
-            "prompt", f"prompt token id {outside} is outside the vocabulary [0, {vocab_size})"
+            "prompt", f"prompt token id {outside} is outside the vocabulary [0, {prompt_vocab})"
         )
     if num_prompt_tokens >= max_model_len:
         raise ParameterError(

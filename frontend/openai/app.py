@@ -236,11 +236,11 @@ def _add_token_routes(app: FastAPI, settings: ServerSettings) -> None:
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         _check_model(body.model, settings)
         engine = _engine(request)
-        try:
-            token_ids = engine.tokenize(body.tokens)  # checks them against the vocabulary
-        except InvalidPromptError as exc:
-            raise APIError(400, str(exc), param="tokens") from exc
-        text = await asyncio.to_thread(engine.tokenizer.decode, token_ids)
+        outside = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if outside:
+            message = f"token id {outside[0]} is outside the vocabulary [0, {engine.vocab_size})"
+            raise APIError(400, message, param="tokens")
+        text = await asyncio.to_thread(engine.tokenizer.decode, list(body.tokens))
         return DetokenizeResponse(prompt=text)
 
 

@@ -9,6 +9,7 @@ from core_engine.core.engine_core import start_engine_core
 from core_engine.core.in_process_engine import InProcessEngine
 from core_engine.proto import SamplingParams, WorkerReady
 from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.parameter_error import ParameterError
 from core_engine.proto.sampling_params import StructuredOutputs, stop_on_eos
 from core_engine.worker.local_executor import LocalExecutor
 from core_engine.worker.null_worker import NULL_TOKEN_ID, NULL_VOCAB_SIZE
@@ -115,9 +116,10 @@ def test_the_models_eos_ids_from_the_handshake_stop_requests():
 
 def test_prompt_ids_outside_the_models_vocabulary_are_refused():
     engine = InProcessEngine(NULL_CONFIG, LocalExecutor(NULL_CONFIG))
-    with pytest.raises(ValueError, match=f"the vocabulary has {NULL_VOCAB_SIZE} tokens"):
+    outside = rf"outside the vocabulary \[0, {NULL_VOCAB_SIZE}\)"
+    with pytest.raises(ParameterError, match=f"token id {NULL_VOCAB_SIZE} is {outside}"):
         engine.generate([[1, NULL_VOCAB_SIZE]], SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="must be >= 0, got -1"):
+    with pytest.raises(ParameterError, match=f"token id -1 is {outside}"):
         engine.generate([[-1]], SamplingParams(max_tokens=1))
     assert not engine.engine_core.has_work
 

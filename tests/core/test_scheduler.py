@@ -10,6 +10,7 @@ from core_engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from core_engine.proto import FinishReason, ModelRunnerOutput
 from core_engine.proto.sampling_params import StructuredOutputs
 from tests.helpers.core_factories import (
+    BLOCK_SIZE,
     fake_model_output,
     make_request,
     make_scheduler,
@@ -263,16 +264,19 @@ def test_max_model_len_caps_generation():
     assert finished["a"]["reason"] == FinishReason.LENGTH
 
 
-def test_prompt_longer_than_max_model_len_is_rejected_and_the_loop_goes_on():
+def test_a_request_the_scheduler_cannot_hold_is_rejected_and_the_loop_goes_on():
+    """The scheduler's own invariants: one request per id, the engine's block size (whether a
+    request fits the model is checked where it is built: tests/proto/test_request_fit.py)."""
     scheduler = make_scheduler(max_model_len=8)
-    too_long = make_request("long", [1] * 9)
-    with pytest.raises(ValueError, match="9 tokens, more than max_model_len=8"):
-        scheduler.add_request(too_long)
-    assert too_long.status == RequestStatus.FINISHED_IGNORED
-    assert not scheduler.has_unfinished_requests()
-    with pytest.raises(ValueError, match="prompt is empty"):
-        scheduler.add_request(make_request("empty", []))
     scheduler.add_request(make_request("ok", [1] * 4, max_tokens=2))
+    duplicate = make_request("ok", [1] * 4)
+    with pytest.raises(ValueError, match="request id 'ok' is already in use"):
+        scheduler.add_request(duplicate)
+    assert duplicate.status == RequestStatus.FINISHED_IGNORED
+    other_blocks = make_request("other", [1] * 4, block_size=BLOCK_SIZE * 2)
+    with pytest.raises(ValueError, match=f"block_size {BLOCK_SIZE * 2} != engine block_size"):
+        scheduler.add_request(other_blocks)
+    assert list(scheduler.requests) == ["ok"]
     assert run_to_completion(scheduler)["ok"]["reason"] == FinishReason.LENGTH
 
 

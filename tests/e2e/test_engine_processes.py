@@ -219,14 +219,15 @@ def test_too_long_and_invalid_prompts_come_back_as_errors_and_the_engine_keeps_s
         async with running_engine() as (client, _):
             outputs = await collect(client.add_request(request("too-long", 4097)))
             assert outputs[-1].finish_reason == FinishReason.ERROR
-            assert "4097 tokens" in outputs[-1].error and "max_model_len=4096" in outputs[-1].error
+            assert "the prompt is 4097 tokens long" in outputs[-1].error
+            assert "maximum context length is 4096 tokens" in outputs[-1].error
             negative = EngineCoreRequest("negative", [1, -5], SamplingParams())
             outputs = await collect(client.add_request(negative))
             assert outputs[-1].finish_reason == FinishReason.ERROR and "-5" in outputs[-1].error
             beyond = EngineCoreRequest("beyond", [1, NULL_VOCAB_SIZE], SamplingParams())
             outputs = await collect(client.add_request(beyond))
             assert outputs[-1].finish_reason == FinishReason.ERROR
-            assert f"vocabulary has {NULL_VOCAB_SIZE} tokens" in outputs[-1].error
+            assert f"outside the vocabulary [0, {NULL_VOCAB_SIZE})" in outputs[-1].error
             empty = await collect(client.add_request(request("empty", 0)))
             assert empty[-1].finish_reason == FinishReason.ERROR and "empty" in empty[-1].error
             fine = await collect(client.add_request(request("fine", max_tokens=3)))

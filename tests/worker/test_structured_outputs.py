@@ -221,7 +221,7 @@ def test_a_grammar_still_compiling_does_not_stall_the_other_requests(engine, tok
         during_times += step.token_times("itl-free")
         if step.token_times("itl-slow"):
             first_slow_token_s = step.token_times("itl-slow")[0]
-        assert core.sched.scheduler.requests["itl-free"].status == RequestStatus.RUNNING
+        assert core.scheduler.requests["itl-free"].status == RequestStatus.RUNNING
     core.abort_requests(["itl-free", "itl-slow"])
     wait_s = first_slow_token_s - added_s
     max_gap_s = max(numpy.diff(during_times))
@@ -245,7 +245,7 @@ def test_an_engine_core_waiting_only_for_a_grammar_does_not_spin(engine, tokeniz
     core = engine.engine_core
     core.add_request(make_request("alone", tokenizer.encode("A string:"), params))
     start_s, num_waiting_steps = time.perf_counter(), 0
-    while core.sched.scheduler.requests["alone"].status == RequestStatus.WAITING_FOR_FSM:
+    while core.scheduler.requests["alone"].status == RequestStatus.WAITING_FOR_FSM:
         assert run_step(core).scheduled_req_ids == []
         num_waiting_steps += 1
     wait_s = time.perf_counter() - start_s
