@@ -22,9 +22,9 @@ VOCAB, MAX_MODEL_LEN = 100, 16
         ([1] * 16, SamplingParams(), "prompt", "the prompt is 16 tokens long, but this model's "
          "maximum context length is 16 tokens, which must leave room for at least one"),
         ([1] * 10, SamplingParams(max_tokens=7), "max_tokens", "max_tokens may be at most 6"),
-        ([1], SamplingParams(stop_token_ids=[100]), "stop_token_ids",
+        ([1], SamplingParams(max_tokens=1, stop_token_ids=[100]), "stop_token_ids",
          "below the vocabulary size 100, got 100"),
-        ([1], SamplingParams(logit_bias={100: 1.0}), "logit_bias", "below the vocabulary size"),
+        ([1], SamplingParams(max_tokens=1, logit_bias={100: 1.0}), "logit_bias", "below the vocabulary size"),
     ],
 )  # fmt: skip
 def test_what_does_not_fit_is_refused_naming_the_field(prompt, params, param, message):
