@@ -81,6 +81,7 @@ def assert_same_tokenization(ours, reference, texts) -> None:
             assert ours.decode(ids, skip_special_tokens=skip) == expected_text, text
 
 
+@pytest.mark.slow
 def test_gguf_tokenizer_encodes_and_decodes_like_transformers(
     gguf_tokenizer, transformers_gguf_tokenizer
 ):

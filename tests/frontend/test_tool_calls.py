@@ -119,6 +119,7 @@ def test_hermes_calls_are_parsed_and_the_rest_kept_as_content():
     assert hermes_tool_calls('<tool_call>{"name": "f", "arguments": "{}"}</tool_call>')[0] is None
 
 
+@pytest.mark.slow
 def test_a_required_call_from_the_default_model_validates():
     """The forcing grammar works on a real vocabulary: the model that knows nothing of tools
     still answers with a well-formed call of a listed tool."""

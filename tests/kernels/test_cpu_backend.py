@@ -339,6 +339,7 @@ def test_nan_in_a_visible_key_reaches_the_output():
     assert not torch.isnan(out[1]).any()
 
 
+@pytest.mark.slow
 def test_build_is_cached_on_disk(fresh_loader):
     library = cpu_kernel_loader.load()
     assert library is not None

@@ -55,6 +55,7 @@ IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 AVX2_ONLY = frozenset({"sse2", "avx", "avx2", "fma"})
 
 
+@pytest.mark.slow  # four compilations
 @pytest.mark.parametrize(
     "build",
     [

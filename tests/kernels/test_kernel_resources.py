@@ -28,6 +28,8 @@ needs_compiler = pytest.mark.skipif(
     reason="nvcc / ptxas (CUDA toolkit) are not installed",
 )
 
+pytestmark = pytest.mark.slow  # nvcc and ptxas over every kernel instance
+
 
 @pytest.fixture(scope="module")
 def resources(tmp_path_factory):

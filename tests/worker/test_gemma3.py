@@ -43,6 +43,8 @@ from core_engine.worker.worker import Worker
 from tests.helpers.engine_helpers import generate_token_ids, in_process_engine
 from tests.helpers.model_fixtures import hf_greedy
 
+pytestmark = pytest.mark.slow  # Gemma 3 against transformers
+
 END_OF_TURN_ID = 106
 EOS_ID = 1
 NUM_NEW_TOKENS = 16
