@@ -31,8 +31,8 @@ PER_POS_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def main() -> int:
-    # Run as a script, this folder (the project's scripts) heads sys.path; nothing of the
-    # project may be found from here.
+    # Run as a script, this folder (benchmarks/peers/, with a vllm.py of ours) heads sys.path;
+    # nothing of the project may shadow vLLM from there.
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]
     # The protocol owns the real stdout; everything else written to fd 1 goes to stderr.
