@@ -3,8 +3,9 @@
 One shared library holds them all: paged attention (`paged_attention.c`, and
 `prefill_attention.c` for long queries over a float32 cache on AVX2), the fused
 elementwise ops of a decoder layer (`fused_ops.c`), the bf16 matmul of a bf16
-model's linears and LM head (`bf16_matmul.c`) and the float32 matmul of a float32 model's
-on CPUs without AVX-512 (`f32_matmul.c`). It is compiled with `-march=native`,
+model's linears and LM head (`bf16_matmul.c`), the float32 matmul of a float32 model's
+on CPUs without AVX-512 (`f32_matmul.c`), and the matmul of weights kept as GGUF blocks
+(`gguf_matmul.c`). It is compiled with `-march=native`,
 so it is cached under a key made of the sources' text, the compile command, the compiler's
 version and this CPU's model and flags:
 a cache directory shared by different machines never hands one a library built for another.
@@ -39,12 +40,14 @@ SOURCES = tuple(
         "fused_ops.c",
         "bf16_matmul.c",
         "f32_matmul.c",
+        "gguf_matmul.c",
     )
 )
 HEADERS = (
     KERNEL_DIR / "scalar_math.h",
     KERNEL_DIR / "attention_args.h",
     KERNEL_DIR / "work_sharing.h",
+    KERNEL_DIR / "f32_tiles.h",
 )
 LIBRARY_NAME = "cpu_kernels"
 # -fno-trapping-math: no kernel unmasks floating-point exceptions, and without it GCC will not
@@ -218,6 +221,16 @@ def _declare(library: ctypes.CDLL) -> None:
         library.f32_matmul_silu_and_mul,
         [pointer, i64, pointer, pointer, pointer, i64, i64, i64, i32],
     )
+    _signature(library.gguf_block_elements, [i32], ctypes.c_int)
+    _signature(library.gguf_block_bytes, [i32], ctypes.c_int)
+    _signature(library.gguf_matmul_has_panels, [], ctypes.c_int)
+    # x, x_stride, blocks, type, bias, out, out_stride, rows, k, num_columns, num_threads
+    _signature(
+        library.gguf_matmul,
+        [pointer, i64, pointer, i32, pointer, pointer, i64, i64, i64, i64, i32],
+    )
+    # blocks, type, k, row_ids, num_rows, out
+    _signature(library.gguf_dequantize_rows, [pointer, i32, i64, pointer, i64, pointer])
 
 
 def _signature(function, argtypes: list, restype=None) -> None:

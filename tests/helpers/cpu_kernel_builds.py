@@ -40,6 +40,7 @@ class KernelBuild:
     attention: CpuAttentionCapabilities  # what it reports for ATTENTION_SHAPE
     f32_matmul_panel_columns: int  # 0: no f32_matmul.c
     bf16_matmul_tile_columns: int  # 0: no bf16_matmul.c
+    gguf_matmul_panels: bool  # gguf_matmul.c runs prompts on f32_matmul's micro-kernel
 
     @property
     def readings(self) -> tuple[int, ...]:
@@ -50,6 +51,7 @@ class KernelBuild:
             self.attention.prefill_tile_tokens,
             self.f32_matmul_panel_columns,
             self.bf16_matmul_tile_columns,
+            int(self.gguf_matmul_panels),
         )
 
 
@@ -63,6 +65,7 @@ PLAIN_C = KernelBuild(
     ),
     f32_matmul_panel_columns=0,
     bf16_matmul_tile_columns=0,
+    gguf_matmul_panels=False,
 )
 AVX2 = KernelBuild(
     "avx2",
@@ -74,6 +77,7 @@ AVX2 = KernelBuild(
     ),
     f32_matmul_panel_columns=16,
     bf16_matmul_tile_columns=0,
+    gguf_matmul_panels=True,
 )
 AVX512 = KernelBuild(
     "avx512",
@@ -85,6 +89,7 @@ AVX512 = KernelBuild(
     ),
     f32_matmul_panel_columns=0,
     bf16_matmul_tile_columns=0,
+    gguf_matmul_panels=False,
 )
 AVX512_BF16 = KernelBuild(
     "avx512-bf16",
@@ -96,6 +101,7 @@ AVX512_BF16 = KernelBuild(
     ),
     f32_matmul_panel_columns=0,
     bf16_matmul_tile_columns=64,
+    gguf_matmul_panels=False,
 )
 KERNEL_BUILDS = (PLAIN_C, AVX2, AVX512, AVX512_BF16)  # narrowest first
 
@@ -116,6 +122,7 @@ def read_build(library: ctypes.CDLL) -> tuple[int, ...]:
         capabilities.prefill_tile_tokens,
         library.f32_matmul_panel_columns(),
         library.bf16_matmul_tile_columns(),
+        library.gguf_matmul_has_panels(),
     )
 
 

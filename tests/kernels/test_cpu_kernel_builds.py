@@ -49,6 +49,7 @@ print(json.dumps([
     library.prefill_attention_tile_tokens({NUM_Q_HEADS // NUM_KV_HEADS}, {HEAD_DIM}),
     library.f32_matmul_panel_columns(),
     library.bf16_matmul_tile_columns(),
+    library.gguf_matmul_has_panels(),
 ]))
 """
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")

@@ -1,0 +1,127 @@
+"""The GGUF-block matmul of the CPU worker (`--quantization gguf`) on every kernel build this
+host runs: each block type dequantizes to exactly the gguf package's values, and a matmul
+equals the float64 product of those values up to float32 summation, at decode sizes (a
+column's blocks in registers or in L1) and prompt sizes (panels for f32_matmul's micro-kernel
+on the AVX2 build, the same column path elsewhere), with a bias, for weights of several
+segments of different types, and for an embedding lookup."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.kernels.cpu.gguf_matmul import (
+    BLOCK_SHAPES,
+    GGUF_MATMUL_TYPES,
+    GgufMatmulWeight,
+    GgufSegment,
+)
+from tests.helpers.cpu_kernel_builds import (
+    KERNEL_BUILDS,
+    assert_float32_sums,
+    kernel_library,
+    requires_cpu_flags,
+)
+
+gguf = pytest.importorskip("gguf")
+
+K = 512  # two K-quant blocks, sixteen 32-value blocks per row
+BUILD_PARAMS = [
+    pytest.param(build, marks=requires_cpu_flags(*build.cpu_flags, kernel="gguf_matmul.c"),
+                 id=build.name)
+    for build in KERNEL_BUILDS
+]  # fmt: skip
+
+
+@pytest.fixture(params=BUILD_PARAMS)
+def build(request):
+    return request.param
+
+
+@pytest.fixture
+def kernel(build, tmp_path_factory, monkeypatch):
+    """Makes `cpu_kernel_loader.load` return a library of `build`."""
+    library = kernel_library(build, tmp_path_factory)
+    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
+    assert library.gguf_matmul_has_panels() == int(build.gguf_matmul_panels)
+    return library
+
+
+def quantized_blocks(type_id: int, rows: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [rows, row_bytes] blocks of `type_id`: random weights quantized by the gguf
+    package where it can (Q4_0, Q4_1, Q8_0), else random bytes with small float16 scales."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType(type_id)
+    if type_id in (2, 3, 8):
+        weight = rng.standard_normal((rows, k)).astype(np.float32) * 0.1
+        return np.ascontiguousarray(gguf.quants.quantize(weight, qtype))
+    values, block_bytes = BLOCK_SHAPES[type_id]
+    blocks = rng.integers(0, 256, size=(rows, k // values, block_bytes), dtype=np.uint8)
+    scales = (rng.standard_normal((rows, k // values)) * 0.01).astype(np.float16)
+    scale_bytes = scales.view(np.uint8).reshape(rows, k // values, 2)
+    if type_id == GGUF_MATMUL_TYPES["Q4_K"]:
+        blocks[..., 0:2] = scale_bytes  # d
+        blocks[..., 2:4] = scale_bytes  # dmin
+    else:  # Q6_K: d last
+        blocks[..., -2:] = scale_bytes
+    return blocks.reshape(rows, -1)
+
+
+def gguf_weight(type_id: int, rows: int, k: int = K, seed: int = 0):
+    """(GgufMatmulWeight, its float32 values as the gguf package dequantizes them)."""
+    blocks = quantized_blocks(type_id, rows, k, seed)
+    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(type_id))
+    segment = GgufSegment(type_id, torch.from_numpy(blocks))
+    return GgufMatmulWeight.of([segment]), torch.from_numpy(np.asarray(values, np.float32))
+
+
+@pytest.mark.parametrize("type_name", list(GGUF_MATMUL_TYPES))
+def test_every_block_type_dequantizes_to_the_gguf_packages_values(kernel, type_name):
+    weight, values = gguf_weight(GGUF_MATMUL_TYPES[type_name], rows=37)
+    ids = torch.tensor([[0, 36, 5], [5, 17, 2]])
+    assert torch.equal(weight.dequantize_rows(ids), values[ids])
+    with pytest.raises(IndexError, match=r"row ids must be in \[0, 37\)"):
+        weight.dequantize_rows(torch.tensor([37]))
+
+
+@pytest.mark.parametrize("type_name", list(GGUF_MATMUL_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 37])
+def test_a_matmul_is_the_float32_sum_of_the_dequantized_products(kernel, type_name, rows):
+    """40 columns: two whole panels and a part one (and an odd pair) on every path."""
+    weight, values = gguf_weight(GGUF_MATMUL_TYPES[type_name], rows=40, seed=rows)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, K, generator=generator)
+    bias = torch.randn(40, generator=generator)
+    assert_float32_sums(weight.matmul(x), x, values)
+    assert_float32_sums(weight.matmul(x, bias), x, values, bias)
+    strided = torch.randn(rows, K + 8, generator=generator)[:, 8:]  # a view: row stride K + 8
+    assert_float32_sums(weight.matmul(strided), strided, values)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_a_weight_of_segments_of_several_types_stacks_their_outputs(kernel, rows):
+    """A fused qkv of a Q4_K_M file: some rows Q4_K, some Q6_K; adjacent ones of one type are
+    joined into one segment."""
+    parts = [gguf_weight(type_id, 24, seed=i) for i, type_id in enumerate((12, 12, 14, 3))]
+    weight = GgufMatmulWeight.of([segment for w, _ in parts for segment in w.segments])
+    assert [s.type_id for s in weight.segments] == [12, 14, 3]
+    assert weight.num_columns == 96 and weight.describe() == "Q4_K+Q6_K+Q4_1"
+    values = torch.cat([v for _, v in parts])
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(2))
+    assert_float32_sums(weight.matmul(x, bias), x, values, bias)
+    ids = torch.tensor([0, 30, 95, 50])
+    assert torch.equal(weight.dequantize_rows(ids), values[ids])
+
+
+def test_segments_must_agree_on_k_and_be_blocks():
+    a, _ = gguf_weight(3, 4, k=64)
+    b, _ = gguf_weight(3, 4, k=128)
+    with pytest.raises(ValueError, match="segments of 128 and 64 values per row"):
+        GgufMatmulWeight.of([*a.segments, *b.segments])
+    with pytest.raises(ValueError, match="uint8"):
+        GgufMatmulWeight.of([GgufSegment(3, torch.zeros(4, 40))])
+    with pytest.raises(ValueError, match="ggml type 1 is not one the GGUF matmul takes"):
+        GgufSegment(1, torch.zeros(4, 40, dtype=torch.uint8)).k()
