@@ -1,41 +1,44 @@
 // out [M, N] = x [M, K] float32 times w [N, K] transposed (+ a float32 bias), with w held as the
-// GGUF blocks a file ships (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): the linears and LM head of a GGUF
-// model under --quantization gguf, never as a dequantized copy. A decode step reads every weight
-// once: 4.5 to 8.5 bits of it here instead of 32 (float32) or 16 (bf16).
+// GGUF blocks a file ships (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; gguf_blocks.h): the linears and LM
+// head of a GGUF model under --quantization gguf, never as a dequantized copy. A decode step
+// reads every weight once: 4.5 to 8.5 bits of it here instead of 32 (float32) or 16 (bf16).
 //
 // w is rows of blocks, one row per output column, `k / block_elements` blocks of `block_bytes`
-// each (kernels/cpu/gguf_matmul.py keeps a weight as one or more such segments). A block
-// dequantizes to exactly the float32 values ggml (and the gguf package, which the dequantizing
-// loader uses) computes, so a product differs from the dequantized float32 matmul only in the
-// order of its sums.
+// each (kernels/cpu/gguf_matmul.py keeps a weight as one or more such segments). Three paths:
 //
-// Decode-sized calls (rows <= DECODE_ROWS): threads share units of COLUMN_UNIT output columns;
-// a column's blocks are dequantized one at a time into L1 and every row of x multiplied by it
-// (weight-only: x stays float32). Larger calls, on builds with f32_tiles.h (AVX2 + FMA without
-// AVX-512): a panel of 16 columns is dequantized PASS_K of k at a time into an L1 scratch laid
-// out as f32_matmul's packed panel, and f32_matmul's micro-kernel runs every row tile of a row
-// block over it, so the dequantization is paid once per row block instead of once per row.
-// Built by kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
+// - The integer path (AVX2 builds; the 32-value types Q4_0, Q4_1, Q8_0; up to INT16_MAX_ROWS
+//   rows). x is rounded once per call to 16-bit integers per 32-value block (the block's
+//   largest |x| maps to 32767: an error of at most 2^-16 of that value, finer than bf16's
+//   2^-9 of every value for all but values under 1/128 of their block's largest), each weight
+//   block is widened to 16-bit lanes and vpmaddwd sums the products exactly in 32 bits; one
+//   float multiply-add per block applies the weight's and x's scales, and Q4_1's offset m adds
+//   m times the block's exact float sum of x. A weight block is read once for every row.
+// - The float column path (the K-quants at decode sizes, and every call on builds without
+//   AVX2): a column's blocks dequantized one at a time into L1, exactly as ggml does, and
+//   every row of x (float32) multiplied by it, DECODE_ROWS rows at a time.
+// - Panels (AVX2 + FMA builds without AVX-512, calls the other two do not take): a panel of 16
+//   columns dequantized PASS_K of k at a time into an L1 scratch laid out as f32_matmul's
+//   packed panel, and f32_matmul's micro-kernel run over every row tile of a row block.
+//
+// Column paths share out units of COLUMN_UNIT columns as work_sharing.h does. Built by
+// kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <omp.h>
 
-#if defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-// ggml's type ids of the block types taken here.
-#define GGML_Q4_0 2
-#define GGML_Q4_1 3
-#define GGML_Q8_0 8
-#define GGML_Q4_K 12
-#define GGML_Q6_K 14
-#define MAX_BLOCK_ELEMENTS 256
+#include "gguf_blocks.h"
+#include "work_sharing.h"
 
 #define DECODE_ROWS 4
 #define COLUMN_UNIT 16
+// Rows up to which the integer path runs (beyond, panels are faster on AVX2: measured on
+// SmolLM2-135M's linears, AMD EPYC Zen 3 with AVX2, benchmarks/results/avx2/gguf_linears.md).
+#ifndef INT16_MAX_ROWS
+#define INT16_MAX_ROWS 8
+#endif
 
 // Values per block of `type`, or 0 for a type not taken here.
 int gguf_block_elements(int32_t type) {
@@ -61,121 +64,6 @@ int gguf_block_bytes(int32_t type) {
     }
 }
 
-static inline float half_to_float(const uint8_t* bytes) {
-    uint16_t h;
-    memcpy(&h, bytes, sizeof(h));
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
-    if (exponent == 0x1F) {
-        bits = sign | 0x7F800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else {  // subnormal: normalize
-        exponent = 113;
-        while (!(mantissa & 0x400)) {
-            mantissa <<= 1;
-            --exponent;
-        }
-        bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
-    }
-    float value;
-    memcpy(&value, &bits, sizeof(value));
-    return value;
-#endif
-}
-
-// Each block's 32 or 256 float32 values, in ggml's float order (one multiply, then one add or
-// subtract: the kernels are built with -std=c11, which contracts nothing into an FMA).
-static inline void dequantize_q4_0(const uint8_t* block, float* y) {
-    const float d = half_to_float(block);
-    const uint8_t* qs = block + 2;
-    for (int j = 0; j < 16; ++j) {
-        y[j] = d * (float)((qs[j] & 0x0F) - 8);
-        y[j + 16] = d * (float)((qs[j] >> 4) - 8);
-    }
-}
-
-static inline void dequantize_q4_1(const uint8_t* block, float* y) {
-    const float d = half_to_float(block), m = half_to_float(block + 2);
-    const uint8_t* qs = block + 4;
-    for (int j = 0; j < 16; ++j) {
-        y[j] = d * (float)(qs[j] & 0x0F) + m;
-        y[j + 16] = d * (float)(qs[j] >> 4) + m;
-    }
-}
-
-static inline void dequantize_q8_0(const uint8_t* block, float* y) {
-    const float d = half_to_float(block);
-    const int8_t* qs = (const int8_t*)(block + 2);
-    for (int j = 0; j < 32; ++j) y[j] = (float)qs[j] * d;
-}
-
-// Sub-block j's 6-bit scale and min of a Q4_K block (ggml's get_scale_min_k4).
-static inline void q4_k_scale_min(int j, const uint8_t* q, int* scale, int* min) {
-    if (j < 4) {
-        *scale = q[j] & 63;
-        *min = q[j + 4] & 63;
-    } else {
-        *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
-static inline void dequantize_q4_k(const uint8_t* block, float* y) {
-    const float d = half_to_float(block), dmin = half_to_float(block + 2);
-    const uint8_t* scales = block + 4;
-    const uint8_t* qs = block + 16;
-    for (int i = 0; i < 4; ++i) {  // 32 bytes: sub-blocks 2i (low nibbles) and 2i + 1 (high)
-        int scale, min;
-        q4_k_scale_min(2 * i, scales, &scale, &min);
-        const float d_low = d * (float)scale, m_low = dmin * (float)min;
-        q4_k_scale_min(2 * i + 1, scales, &scale, &min);
-        const float d_high = d * (float)scale, m_high = dmin * (float)min;
-        for (int l = 0; l < 32; ++l) {
-            y[64 * i + l] = d_low * (float)(qs[32 * i + l] & 0x0F) - m_low;
-            y[64 * i + 32 + l] = d_high * (float)(qs[32 * i + l] >> 4) - m_high;
-        }
-    }
-}
-
-static inline void dequantize_q6_k(const uint8_t* block, float* y) {
-    const float d = half_to_float(block + 208);
-    const int8_t* scales = (const int8_t*)(block + 192);
-    for (int half = 0; half < 2; ++half) {
-        const uint8_t* ql = block + 64 * half;
-        const uint8_t* qh = block + 128 + 32 * half;
-        const int8_t* sc = scales + 8 * half;
-        float* out = y + 128 * half;
-        for (int l = 0; l < 32; ++l) {
-            const int is = l / 16;
-            const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            out[l] = (d * (float)sc[is]) * (float)q1;
-            out[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
-            out[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
-            out[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
-        }
-    }
-}
-
-static inline void dequantize_block(int32_t type, const uint8_t* block, float* y) {
-    switch (type) {
-        case GGML_Q4_0: dequantize_q4_0(block, y); break;
-        case GGML_Q4_1: dequantize_q4_1(block, y); break;
-        case GGML_Q8_0: dequantize_q8_0(block, y); break;
-        case GGML_Q4_K: dequantize_q4_k(block, y); break;
-        case GGML_Q6_K: dequantize_q6_k(block, y); break;
-        default: memset(y, 0, sizeof(float) * MAX_BLOCK_ELEMENTS);
-    }
-}
-
 // One call: x [rows, k] (rows x_stride floats apart), w [num_columns] rows of blocks, out
 // [rows, num_columns] with rows out_stride floats apart.
 typedef struct {
@@ -190,7 +78,9 @@ typedef struct {
     int64_t rows, k, num_columns;
 } Call;
 
-// ---- decode-sized calls: a column's blocks dequantized one at a time -----------------------
+static inline float bias_at(const Call* c, int64_t n) { return c->bias != NULL ? c->bias[n] : 0.0f; }
+
+// ---- the float column path: a column's blocks dequantized one at a time -------------------
 
 #if defined(__AVX2__) && defined(__FMA__)
 static inline float sum_lanes(__m256 v) {
@@ -198,85 +88,6 @@ static inline float sum_lanes(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-static inline __m256 bytes_to_floats(__m128i bytes, int is_signed) {
-    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
-}
-
-// A block of Q4_0, Q4_1 or Q8_0 (32 values) as four vectors of 8 floats, values 0-7, 8-15,
-// 16-23 and 24-31: the same values as dequantize_block (one multiply, then one add), made in
-// registers.
-static inline void block32_vectors(int32_t type, const uint8_t* block, __m256 v[4]) {
-    const __m256 d = _mm256_set1_ps(half_to_float(block));
-    if (type == GGML_Q8_0) {
-        const __m128i low = _mm_loadu_si128((const __m128i*)(block + 2));
-        const __m128i high = _mm_loadu_si128((const __m128i*)(block + 18));
-        v[0] = _mm256_mul_ps(bytes_to_floats(low, 1), d);
-        v[1] = _mm256_mul_ps(bytes_to_floats(_mm_srli_si128(low, 8), 1), d);
-        v[2] = _mm256_mul_ps(bytes_to_floats(high, 1), d);
-        v[3] = _mm256_mul_ps(bytes_to_floats(_mm_srli_si128(high, 8), 1), d);
-        return;
-    }
-    const int q4_1 = type == GGML_Q4_1;
-    const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i low = _mm_and_si128(bytes, mask);
-    __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    if (!q4_1) {  // Q4_0: (q - 8) * d, q - 8 as an integer first, as ggml
-        low = _mm_sub_epi8(low, _mm_set1_epi8(8));
-        high = _mm_sub_epi8(high, _mm_set1_epi8(8));
-    }
-    v[0] = _mm256_mul_ps(bytes_to_floats(low, !q4_1), d);
-    v[1] = _mm256_mul_ps(bytes_to_floats(_mm_srli_si128(low, 8), !q4_1), d);
-    v[2] = _mm256_mul_ps(bytes_to_floats(high, !q4_1), d);
-    v[3] = _mm256_mul_ps(bytes_to_floats(_mm_srli_si128(high, 8), !q4_1), d);
-    if (q4_1) {
-        const __m256 m = _mm256_set1_ps(half_to_float(block + 2));
-        for (int j = 0; j < 4; ++j) v[j] = _mm256_add_ps(v[j], m);
-    }
-}
-
-static inline int is_block32(int32_t type) {
-    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0;
-}
-
-// Columns n and n + 1 (n + 1 < num_columns) of `out` for every row, num_rows (a compile-time
-// constant once inlined) at most DECODE_ROWS, for a 32-value block type: each block made in
-// registers, two sums per row and column (four FMA chains at one row).
-static inline void column_pair_dot32(const Call* c, int64_t n, const int num_rows) {
-    __m256 sums[2][DECODE_ROWS][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < num_rows; ++r)
-        sums[0][r][0] = sums[0][r][1] = sums[1][r][0] = sums[1][r][1] = _mm256_setzero_ps();
-    const uint8_t* rows[2] = {c->w + n * c->row_bytes, c->w + (n + 1) * c->row_bytes};
-    const int64_t num_blocks = c->k / 32;
-    for (int64_t b = 0; b < num_blocks; ++b) {
-        __m256 w[2][4];
-        block32_vectors(c->type, rows[0] + b * c->block_bytes, w[0]);
-        block32_vectors(c->type, rows[1] + b * c->block_bytes, w[1]);
-#pragma GCC unroll 4
-        for (int r = 0; r < num_rows; ++r) {
-            const float* x = c->x + r * c->x_stride + b * 32;
-            const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
-            const __m256 x2 = _mm256_loadu_ps(x + 16), x3 = _mm256_loadu_ps(x + 24);
-#pragma GCC unroll 2
-            for (int j = 0; j < 2; ++j) {
-                sums[j][r][0] = _mm256_fmadd_ps(w[j][0], x0, sums[j][r][0]);
-                sums[j][r][1] = _mm256_fmadd_ps(w[j][1], x1, sums[j][r][1]);
-                sums[j][r][0] = _mm256_fmadd_ps(w[j][2], x2, sums[j][r][0]);
-                sums[j][r][1] = _mm256_fmadd_ps(w[j][3], x3, sums[j][r][1]);
-            }
-        }
-    }
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) {
-        const float bias = c->bias != NULL ? c->bias[n + j] : 0.0f;
-#pragma GCC unroll 4
-        for (int r = 0; r < num_rows; ++r)
-            c->out[r * c->out_stride + n + j] =
-                sum_lanes(_mm256_add_ps(sums[j][r][0], sums[j][r][1])) + bias;
-    }
 }
 
 // Column n of `out` for every row, any block type: each block dequantized into `buffer`, two
@@ -307,18 +118,7 @@ static inline void column_dot(const Call* c, int64_t n, float* buffer, const int
         c->out[r * c->out_stride + n] = sum_lanes(_mm256_add_ps(sums[r][0], sums[r][1])) + bias;
 }
 
-// Columns [n, end): pairs in registers for a 32-value type, the rest through `buffer`.
-static inline int64_t fast_columns(const Call* c, int64_t n, int64_t end, const int num_rows) {
-    if (!is_block32(c->type)) return n;
-    for (; n + 1 < end; n += 2) column_pair_dot32(c, n, num_rows);
-    return n;
-}
 #else
-static inline int64_t fast_columns(const Call* c, int64_t n, int64_t end, const int num_rows) {
-    (void)c, (void)end, (void)num_rows;
-    return n;
-}
-
 static inline void column_dot(const Call* c, int64_t n, float* buffer, const int num_rows) {
     float sums[DECODE_ROWS][8];
     memset(sums, 0, sizeof(sums));
@@ -342,28 +142,215 @@ static inline void column_dot(const Call* c, int64_t n, float* buffer, const int
 }
 #endif
 
-static inline void columns_of_rows(const Call* c, int64_t n, int64_t end, const int num_rows) {
+// Columns [first, end) of rows [first_row, first_row + num_rows) (num_rows a compile-time
+// constant once inlined, at most DECODE_ROWS).
+static inline void float_columns_of_rows(const Call* c, int64_t first, int64_t end,
+                                         const int num_rows) {
     float buffer[MAX_BLOCK_ELEMENTS] __attribute__((aligned(64)));
-    for (n = fast_columns(c, n, end, num_rows); n < end; ++n) column_dot(c, n, buffer, num_rows);
+    for (int64_t n = first; n < end; ++n) column_dot(c, n, buffer, num_rows);
 }
 
-static void decode_columns(const Call* c, int64_t first, int64_t end) {
-    switch (c->rows) {
-        case 1: columns_of_rows(c, first, end, 1); break;
-        case 2: columns_of_rows(c, first, end, 2); break;
-        case 3: columns_of_rows(c, first, end, 3); break;
-        default: columns_of_rows(c, first, end, DECODE_ROWS);
+static void float_columns(const Call* c, int64_t first, int64_t end) {
+    for (int64_t row = 0; row < c->rows; row += DECODE_ROWS) {
+        Call part = *c;
+        part.x = c->x + row * c->x_stride;
+        part.out = c->out + row * c->out_stride;
+        switch (c->rows - row < DECODE_ROWS ? c->rows - row : DECODE_ROWS) {
+            case 1: float_columns_of_rows(&part, first, end, 1); break;
+            case 2: float_columns_of_rows(&part, first, end, 2); break;
+            case 3: float_columns_of_rows(&part, first, end, 3); break;
+            default: float_columns_of_rows(&part, first, end, DECODE_ROWS);
+        }
     }
 }
 
-static void run_decode(const Call* c, int32_t num_threads) {
+// ---- the integer path: x as 16-bit integers per block, vpmaddwd ---------------------------
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define INT16_BUILT 1
+#define INT16_LIMIT 32767.0f
+
+// x rounded for the integer path: per row and 32-value block, `values` round(x / scale) with
+// scale = the block's largest |x| / 32767 (0 for a block of zeros), and `scale_sums` the pair
+// (scale, the block's float sum of x).
+typedef struct {
+    int16_t* values;    // [rows][k]
+    float* scale_sums;  // [rows][k / 32][2]
+} RoundedX;
+
+static inline float max_lanes(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static void round_block(const float* x, int16_t* values, float* scale_sum) {
+    __m256 v[4], largest = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[j]));
+    }
+    const float amax = max_lanes(largest);
+    const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? INT16_LIMIT / amax : 0.0f);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+    // packs interleaves 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi]; the permute restores order.
+    const __m256i low = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+    const __m256i high = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+    _mm256_storeu_si256((__m256i*)values, low);
+    _mm256_storeu_si256((__m256i*)(values + 16), high);
+    scale_sum[0] = amax / INT16_LIMIT;
+    scale_sum[1] = sum_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
+// x of `c` rounded into `r` (allocated by the caller: rows * k values, rows * k / 16 floats).
+static void round_x(const Call* c, RoundedX* r) {
+    const int64_t num_blocks = c->k / 32;
+    for (int64_t row = 0; row < c->rows; ++row)
+        for (int64_t b = 0; b < num_blocks; ++b)
+            round_block(c->x + row * c->x_stride + 32 * b, r->values + row * c->k + 32 * b,
+                        r->scale_sums + 2 * (row * num_blocks + b));
+}
+
+// A block of a 32-value type as 16-bit lanes: w[0] values 0-15, w[1] values 16-31 (Q4_0's
+// q - 8, Q4_1's q, Q8_0's signed q).
+static inline __attribute__((always_inline)) void block_words(const int type, const uint8_t* block, __m256i w[2]) {
+    if (type == GGML_Q8_0) {
+        w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 2)));
+        w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 18)));
+        return;
+    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == GGML_Q4_1 ? 4 : 2)));
+    const __m256i words = _mm256_cvtepu8_epi16(bytes);
+    w[0] = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
+    w[1] = _mm256_srli_epi16(words, 4);
+    if (type == GGML_Q4_0) {
+        w[0] = _mm256_sub_epi16(w[0], _mm256_set1_epi16(8));
+        w[1] = _mm256_sub_epi16(w[1], _mm256_set1_epi16(8));
+    }
+}
+
+// A block's scales as float lanes [d, m, 0, 0] (Q4_1) or [d, 0, 0, 0].
+static inline __m128 block_scales(const int type, const uint8_t* block) {
+    uint32_t halves = 0;
+    memcpy(&halves, block, type == GGML_Q4_1 ? 4 : 2);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
+}
+
+// Columns [n, n + num_cols) for rows [row, row + num_rows) (both compile-time constants once
+// inlined; num_cols * num_rows <= 8 sums): per block and row one float multiply-add of the
+// integer sums, d * scale(x) folded; Q4_1 adds m * sum(x) into the sums' lane 1.
+static inline __attribute__((always_inline)) void int16_columns(const int type, const Call* c, const RoundedX* r, int64_t n,
+                                 int64_t row, const int num_rows, const int num_cols) {
+    __m256 sums[4][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < num_cols; ++j)
+#pragma GCC unroll 4
+        for (int i = 0; i < num_rows; ++i) sums[j][i] = _mm256_setzero_ps();
+    const int64_t num_blocks = c->k / 32, block_bytes = c->block_bytes;
+    const uint8_t* w = c->w + n * c->row_bytes;
+    const int64_t ahead = 2 * num_cols * c->row_bytes;  // the group of columns after next
+    for (int64_t b = 0; b < num_blocks; ++b) {
+#pragma GCC unroll 4
+        for (int j = 0; j < num_cols; ++j) {
+            const uint8_t* block = w + j * c->row_bytes + b * block_bytes;
+            _mm_prefetch((const char*)(block + ahead), _MM_HINT_T0);
+            __m256i words[2];
+            block_words(type, block, words);
+            const __m128 scales = block_scales(type, block);
+#pragma GCC unroll 4
+            for (int i = 0; i < num_rows; ++i) {
+                const int16_t* xq = r->values + (row + i) * c->k + 32 * b;
+                const __m256i products = _mm256_add_epi32(
+                    _mm256_madd_epi16(words[0], _mm256_loadu_si256((const __m256i*)xq)),
+                    _mm256_madd_epi16(words[1], _mm256_loadu_si256((const __m256i*)(xq + 16))));
+                const float* pair = r->scale_sums + 2 * ((row + i) * num_blocks + b);
+                const __m128 both = _mm_mul_ps(scales, _mm_castpd_ps(_mm_load_sd((const double*)pair)));
+                sums[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products),
+                                             _mm256_broadcastss_ps(both), sums[j][i]);
+                if (type == GGML_Q4_1)
+                    sums[j][i] = _mm256_add_ps(
+                        sums[j][i],
+                        _mm256_blend_ps(_mm256_setzero_ps(), _mm256_castps128_ps256(both), 0x02));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < num_cols; ++j)
+#pragma GCC unroll 4
+        for (int i = 0; i < num_rows; ++i)
+            c->out[(row + i) * c->out_stride + n + j] = sum_lanes(sums[j][i]) + bias_at(c, n + j);
+}
+
+// Columns [first, end) of rows [row, row + num_rows): four columns a pass at one or two rows,
+// two at three or four, the last ones singly.
+static inline __attribute__((always_inline)) void int16_rows(const int type, const Call* c, const RoundedX* r, int64_t first,
+                              int64_t end, int64_t row, const int num_rows) {
+    const int width = num_rows <= 2 ? 4 : 2;
+    int64_t n = first;
+    for (; n + width <= end; n += width) int16_columns(type, c, r, n, row, num_rows, width);
+    for (; n < end; ++n) int16_columns(type, c, r, n, row, num_rows, 1);
+}
+
+static inline void int16_unit_of_type(const int type, const Call* c, const RoundedX* r,
+                                      int64_t first, int64_t end) {
+    for (int64_t row = 0; row < c->rows; row += DECODE_ROWS) {
+        switch (c->rows - row < DECODE_ROWS ? c->rows - row : DECODE_ROWS) {
+            case 1: int16_rows(type, c, r, first, end, row, 1); break;
+            case 2: int16_rows(type, c, r, first, end, row, 2); break;
+            case 3: int16_rows(type, c, r, first, end, row, 3); break;
+            default: int16_rows(type, c, r, first, end, row, DECODE_ROWS);
+        }
+    }
+}
+
+static void int16_columns_unit(const Call* c, const RoundedX* r, int64_t first, int64_t end) {
+    switch (c->type) {
+        case GGML_Q4_0: int16_unit_of_type(GGML_Q4_0, c, r, first, end); break;
+        case GGML_Q4_1: int16_unit_of_type(GGML_Q4_1, c, r, first, end); break;
+        default: int16_unit_of_type(GGML_Q8_0, c, r, first, end);
+    }
+}
+#endif
+
+// ---- the column paths' threads: runs of COLUMN_UNIT columns (work_sharing.h) ---------------
+
+// Columns [first, end) of every row, on the integer path when `rounded` is not NULL.
+static void columns_unit(const Call* c, const void* rounded, int64_t first, int64_t end) {
+#if defined(INT16_BUILT)
+    if (rounded != NULL) {
+        int16_columns_unit(c, (const RoundedX*)rounded, first, end);
+        return;
+    }
+#endif
+    (void)rounded;
+    float_columns(c, first, end);
+}
+
+static void take_column_units(const Call* c, const void* rounded, RunClaims* claims, int parts,
+                              int run, int from_front) {
     const int64_t num_units = (c->num_columns + COLUMN_UNIT - 1) / COLUMN_UNIT;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
-    for (int64_t unit = 0; unit < num_units; ++unit) {
-        const int64_t first = unit * COLUMN_UNIT;
+    const int64_t first_unit = num_units * run / parts;
+    const int64_t size = num_units * (run + 1) / parts - first_unit;
+    for (int64_t i; (i = claim(&claims[run], size, from_front)) >= 0;) {
+        const int64_t first = (first_unit + i) * COLUMN_UNIT;
         const int64_t end = first + COLUMN_UNIT < c->num_columns ? first + COLUMN_UNIT
-                                                                  : c->num_columns;
-        decode_columns(c, first, end);
+                                                                 : c->num_columns;
+        columns_unit(c, rounded, first, end);
+    }
+}
+
+static void run_columns(const Call* c, const void* rounded, int32_t num_threads) {
+    const int32_t slots = num_threads > 1 ? num_threads : 1;
+    RunClaims runs[slots];
+    init_claims(runs, slots);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        const int parts = omp_get_num_threads(), part = omp_get_thread_num();
+        take_column_units(c, rounded, runs, parts, part, 1);
+        for (int other = 1; other < parts; ++other)
+            take_column_units(c, rounded, runs, parts, (part + other) % parts, 0);
     }
 }
 
@@ -483,8 +470,8 @@ static void run_panels(const Call* c, int32_t num_threads) {
 }
 #endif
 
-// Whether calls of more than DECODE_ROWS rows dequantize panels for f32_matmul's micro-kernel
-// (1), or go column by column as decode-sized calls do (0).
+// Whether calls the integer path does not take, of more than DECODE_ROWS rows, dequantize
+// panels for f32_matmul's micro-kernel (1), or go column by column (0).
 int gguf_matmul_has_panels(void) {
 #if defined(GGUF_PANELS_BUILT)
     return 1;
@@ -493,16 +480,36 @@ int gguf_matmul_has_panels(void) {
 #endif
 }
 
-// The rows DECODE_ROWS at a time through the column-by-column path.
-static void run_decode_rows(Call c, int32_t num_threads) {
-    for (int64_t first = 0; first < c.rows; first += DECODE_ROWS) {
-        Call part = c;
-        part.x = c.x + first * c.x_stride;
-        part.out = c.out + first * c.out_stride;
-        part.rows = c.rows - first < DECODE_ROWS ? c.rows - first : DECODE_ROWS;
-        run_decode(&part, num_threads);
-    }
+// Bits x is rounded to on the integer path (16), or 0 where it is not built; and the most rows
+// it takes.
+int gguf_matmul_integer_bits(void) {
+#if defined(INT16_BUILT)
+    return 16;
+#else
+    return 0;
+#endif
 }
+
+int gguf_matmul_integer_max_rows(void) { return INT16_MAX_ROWS; }
+
+#if defined(INT16_BUILT)
+// `c` on the integer path: x rounded once, then the column units shared.
+static void run_integer(const Call* c, int32_t num_threads) {
+    const int64_t num_values = c->rows * c->k;
+    RoundedX r = {
+        .values = aligned_alloc(64, (sizeof(int16_t) * num_values + 63) / 64 * 64),
+        .scale_sums = aligned_alloc(64, (sizeof(float) * num_values / 16 + 63) / 64 * 64),
+    };
+    if (r.values == NULL || r.scale_sums == NULL) {  // out of memory: the float path needs none
+        free(r.values), free(r.scale_sums);
+        run_columns(c, NULL, num_threads);
+        return;
+    }
+    round_x(c, &r);
+    run_columns(c, &r, num_threads);
+    free(r.values), free(r.scale_sums);
+}
+#endif
 
 // x: float32 [rows, k], rows x_stride floats apart, unit column stride; w: num_columns rows of
 // k / gguf_block_elements(type) blocks of `type`; bias: float32 [num_columns] or NULL; out:
@@ -529,13 +536,19 @@ void gguf_matmul(const float* x, int64_t x_stride, const uint8_t* w, int32_t typ
         .k = k,
         .num_columns = num_columns,
     };
+#if defined(INT16_BUILT)
+    if (is_block32(type) && rows <= INT16_MAX_ROWS) {
+        run_integer(&c, num_threads);
+        return;
+    }
+#endif
 #if defined(GGUF_PANELS_BUILT)
     if (rows > DECODE_ROWS) {
         run_panels(&c, num_threads);
         return;
     }
 #endif
-    run_decode_rows(c, num_threads);
+    run_columns(&c, NULL, num_threads);
 }
 
 // Rows `row_ids` of a [*, k] weight held as blocks of `type` (an embedding lookup), as float32

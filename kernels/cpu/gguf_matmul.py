@@ -21,6 +21,7 @@ GGUF_MATMUL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 TYPE_NAMES = {type_id: name for name, type_id in GGUF_MATMUL_TYPES.items()}
 # Values and bytes per block, as gguf_matmul.c reports them (and ggml defines them).
 BLOCK_SHAPES = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+FLOAT32_BYTES = 4
 
 
 def is_available() -> bool:
@@ -100,35 +101,45 @@ class GgufMatmulWeight:
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """x [..., k] -> x W^T + bias, [..., num_columns], summed in float32 (out_dtype None or
-        float32: the kernel's; another dtype: converted)."""
+        float32: the kernel's; another dtype: converted). Called for every linear of every
+        step: a float32 2-D x with unit column stride goes to the kernel as it is, and each
+        segment writes its columns of one output through pointer offsets (a torch op costs
+        microseconds; a decode step makes over a hundred of these calls)."""
         if x.shape[-1] != self.k:
             raise ValueError(f"GGUF matmul needs x of shape [..., {self.k}], got {tuple(x.shape)}")
-        rows = x if x.dim() == 2 and x.dtype == torch.float32 else x.reshape(-1, self.k)
-        rows = rows.to(torch.float32)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        rows = x
+        if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
+            rows = x.reshape(-1, self.k).to(torch.float32)
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+        bias_address = None
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()
+            bias_address = bias.data_ptr()
         num_columns = self.num_columns
         out = torch.empty((rows.shape[0], num_columns), dtype=torch.float32)
-        library = cpu_kernel_loader.load()
+        kernel = cpu_kernel_loader.load().gguf_matmul
+        x_address, row_stride, out_address = rows.data_ptr(), rows.stride(0), out.data_ptr()
+        num_rows, num_threads = rows.shape[0], torch.get_num_threads()
         first = 0
         for segment in self.segments:
-            library.gguf_matmul(
-                rows.data_ptr(),
-                rows.stride(0),
+            offset = first * FLOAT32_BYTES
+            kernel(
+                x_address,
+                row_stride,
                 segment.blocks.data_ptr(),
                 segment.type_id,
-                None if bias is None else bias[first:].data_ptr(),
-                out[:, first:].data_ptr(),
+                None if bias_address is None else bias_address + offset,
+                out_address + offset,
                 num_columns,
-                rows.shape[0],
+                num_rows,
                 self.k,
                 segment.num_rows,
-                torch.get_num_threads(),
+                num_threads,
             )
             first += segment.num_rows
-        out = out.view(*x.shape[:-1], num_columns)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], num_columns)
         return out if out_dtype in (None, torch.float32) else out.to(out_dtype)
 
     def dequantize_rows(self, row_ids: torch.Tensor) -> torch.Tensor:

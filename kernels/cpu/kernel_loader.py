@@ -48,6 +48,7 @@ HEADERS = (
     KERNEL_DIR / "attention_args.h",
     KERNEL_DIR / "work_sharing.h",
     KERNEL_DIR / "f32_tiles.h",
+    KERNEL_DIR / "gguf_blocks.h",
 )
 LIBRARY_NAME = "cpu_kernels"
 # -fno-trapping-math: no kernel unmasks floating-point exceptions, and without it GCC will not
@@ -224,6 +225,8 @@ def _declare(library: ctypes.CDLL) -> None:
     _signature(library.gguf_block_elements, [i32], ctypes.c_int)
     _signature(library.gguf_block_bytes, [i32], ctypes.c_int)
     _signature(library.gguf_matmul_has_panels, [], ctypes.c_int)
+    _signature(library.gguf_matmul_integer_bits, [], ctypes.c_int)
+    _signature(library.gguf_matmul_integer_max_rows, [], ctypes.c_int)
     # x, x_stride, blocks, type, bias, out, out_stride, rows, k, num_columns, num_threads
     _signature(
         library.gguf_matmul,

@@ -41,6 +41,7 @@ class KernelBuild:
     f32_matmul_panel_columns: int  # 0: no f32_matmul.c
     bf16_matmul_tile_columns: int  # 0: no bf16_matmul.c
     gguf_matmul_panels: bool  # gguf_matmul.c runs prompts on f32_matmul's micro-kernel
+    gguf_matmul_integer_bits: int  # x's bits on gguf_matmul.c's integer path; 0: no such path
 
     @property
     def readings(self) -> tuple[int, ...]:
@@ -52,6 +53,7 @@ class KernelBuild:
             self.f32_matmul_panel_columns,
             self.bf16_matmul_tile_columns,
             int(self.gguf_matmul_panels),
+            self.gguf_matmul_integer_bits,
         )
 
 
@@ -66,6 +68,7 @@ PLAIN_C = KernelBuild(
     f32_matmul_panel_columns=0,
     bf16_matmul_tile_columns=0,
     gguf_matmul_panels=False,
+    gguf_matmul_integer_bits=0,
 )
 AVX2 = KernelBuild(
     "avx2",
@@ -78,6 +81,7 @@ AVX2 = KernelBuild(
     f32_matmul_panel_columns=16,
     bf16_matmul_tile_columns=0,
     gguf_matmul_panels=True,
+    gguf_matmul_integer_bits=16,
 )
 AVX512 = KernelBuild(
     "avx512",
@@ -90,6 +94,7 @@ AVX512 = KernelBuild(
     f32_matmul_panel_columns=0,
     bf16_matmul_tile_columns=0,
     gguf_matmul_panels=False,
+    gguf_matmul_integer_bits=16,
 )
 AVX512_BF16 = KernelBuild(
     "avx512-bf16",
@@ -102,6 +107,7 @@ AVX512_BF16 = KernelBuild(
     f32_matmul_panel_columns=0,
     bf16_matmul_tile_columns=64,
     gguf_matmul_panels=False,
+    gguf_matmul_integer_bits=16,
 )
 KERNEL_BUILDS = (PLAIN_C, AVX2, AVX512, AVX512_BF16)  # narrowest first
 
@@ -123,6 +129,7 @@ def read_build(library: ctypes.CDLL) -> tuple[int, ...]:
         library.f32_matmul_panel_columns(),
         library.bf16_matmul_tile_columns(),
         library.gguf_matmul_has_panels(),
+        library.gguf_matmul_integer_bits(),
     )
 
 

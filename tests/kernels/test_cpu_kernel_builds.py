@@ -50,6 +50,7 @@ print(json.dumps([
     library.f32_matmul_panel_columns(),
     library.bf16_matmul_tile_columns(),
     library.gguf_matmul_has_panels(),
+    library.gguf_matmul_integer_bits(),
 ]))
 """
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")

@@ -1,9 +1,11 @@
 """The GGUF-block matmul of the CPU worker (`--quantization gguf`) on every kernel build this
 host runs: each block type dequantizes to exactly the gguf package's values, and a matmul
-equals the float64 product of those values up to float32 summation, at decode sizes (a
-column's blocks in registers or in L1) and prompt sizes (panels for f32_matmul's micro-kernel
-on the AVX2 build, the same column path elsewhere), with a bias, for weights of several
-segments of different types, and for an embedding lookup."""
+equals the float64 product of those values up to float32 summation (the float column path:
+K-quants at decode sizes, every call of the plain C build; panels for f32_matmul's
+micro-kernel: prompt sizes on the AVX2 build), or up to float32 summation plus the rounding
+of x to 16-bit integers per 32-value block where the build reports that integer path (Q4_0,
+Q4_1, Q8_0 up to its row limit); with a bias, for weights of several segments of different
+types, and for an embedding lookup."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from tests.helpers.cpu_kernel_builds import (
 gguf = pytest.importorskip("gguf")
 
 K = 512  # two K-quant blocks, sixteen 32-value blocks per row
+BLOCK32_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the integer path's
 BUILD_PARAMS = [
     pytest.param(build, marks=requires_cpu_flags(*build.cpu_flags, kernel="gguf_matmul.c"),
                  id=build.name)
@@ -86,18 +89,61 @@ def test_every_block_type_dequantizes_to_the_gguf_packages_values(kernel, type_n
         weight.dequantize_rows(torch.tensor([37]))
 
 
+def rounded_x_error(x: torch.Tensor, integer_bits: int) -> torch.Tensor:
+    """The most each value of x moves when the integer path rounds it: half a step, a step
+    being its 32-value block's largest |x| / (2^(bits-1) - 1) (float64, x's shape)."""
+    largest = x.double().abs().reshape(*x.shape[:-1], -1, 32).amax(-1, keepdim=True)
+    step = largest / (2 ** (integer_bits - 1) - 1)
+    return (step / 2 * (1 + 1e-6)).expand(*x.shape[:-1], -1, 32).reshape(x.shape)
+
+
+def assert_matmul(kernel, type_id, out, x, values, bias=None) -> None:
+    """`out` is x @ values^T (+ bias) as the kernel's path for this call computes it: float32
+    sums, plus, on the integer path, at most sum |w| * (x's rounding error) more."""
+    integer_bits = kernel.gguf_matmul_integer_bits()
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    if integer_bits and type_id in BLOCK32_TYPES and rows <= kernel.gguf_matmul_integer_max_rows():
+        expected = x.double() @ values.double().T + (0 if bias is None else bias.double())
+        bound = rounded_x_error(x, integer_bits) @ values.double().abs().T
+        bound += (x.double().abs() @ values.double().abs().T) * 1e-6 + 1e-6
+        assert out.dtype == torch.float32 and out.shape == expected.shape
+        assert bool(((out.double() - expected).abs() <= bound).all())
+    else:
+        assert_float32_sums(out, x, values, bias)
+
+
 @pytest.mark.parametrize("type_name", list(GGUF_MATMUL_TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 37])
 def test_a_matmul_is_the_float32_sum_of_the_dequantized_products(kernel, type_name, rows):
-    """40 columns: two whole panels and a part one (and an odd pair) on every path."""
-    weight, values = gguf_weight(GGUF_MATMUL_TYPES[type_name], rows=40, seed=rows)
+    """42 columns: two whole panels and a part one, and columns past the last group of four
+    on the integer path, on every path."""
+    type_id = GGUF_MATMUL_TYPES[type_name]
+    weight, values = gguf_weight(type_id, rows=42, seed=rows)
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, K, generator=generator)
-    bias = torch.randn(40, generator=generator)
-    assert_float32_sums(weight.matmul(x), x, values)
-    assert_float32_sums(weight.matmul(x, bias), x, values, bias)
+    bias = torch.randn(42, generator=generator)
+    assert_matmul(kernel, type_id, weight.matmul(x), x, values)
+    assert_matmul(kernel, type_id, weight.matmul(x, bias), x, values, bias)
     strided = torch.randn(rows, K + 8, generator=generator)[:, 8:]  # a view: row stride K + 8
-    assert_float32_sums(weight.matmul(strided), strided, values)
+    assert_matmul(kernel, type_id, weight.matmul(strided), strided, values)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_integer_path_rounds_x_per_block_within_its_bound(kernel, type_name):
+    """Blocks of zeros, of one outlier among small values, and of values at exact steps (which
+    round without error, so the result is float32-exact there)."""
+    type_id = GGUF_MATMUL_TYPES[type_name]
+    weight, values = gguf_weight(type_id, rows=20, seed=7)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(3, K, generator=generator) * 1e-3
+    x[0, :32] = 0.0  # a block of zeros
+    x[1, 40] = 50.0  # an outlier: its block's other values keep about 16 - 16 = 0 bits
+    steps = torch.randint(-32767, 32768, (K,), generator=generator).double()
+    steps[::32] = 32767  # each block's largest, so the step is exactly 2^-8
+    x[2] = (steps * 2.0**-8).float()
+    out = weight.matmul(x)
+    assert_matmul(kernel, type_id, out, x, values)
+    assert_float32_sums(out[2:], x[2:], values)
 
 
 @pytest.mark.parametrize("rows", [1, 9])
@@ -111,7 +157,9 @@ def test_a_weight_of_segments_of_several_types_stacks_their_outputs(kernel, rows
     values = torch.cat([v for _, v in parts])
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(96, generator=torch.Generator().manual_seed(2))
-    assert_float32_sums(weight.matmul(x, bias), x, values, bias)
+    out = weight.matmul(x, bias)
+    assert_float32_sums(out[:, :72], x, values[:72], bias[:72])  # the K-quant segments
+    assert_matmul(kernel, 3, out[:, 72:], x, values[72:], bias[72:])
     ids = torch.tensor([0, 30, 95, 50])
     assert torch.equal(weight.dequantize_rows(ids), values[ids])
 
