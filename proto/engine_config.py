@@ -26,6 +26,8 @@ POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("mp", "ray")
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 NULL_MODEL = "null"
+# --quantization: "gguf" keeps a GGUF file's quantized weights as their blocks (CPU kernels).
+QUANTIZATIONS = ("gguf",)
 MIN_FRAME_BYTES = 4096
 
 
@@ -52,6 +54,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model: str | None = None
     device: str = "auto"
     dtype: str | None = None
+    quantization: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -93,6 +96,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             f"{self.dtype!r}",
         )
         msgspec.structs.force_setattr(self, "dtype", dtype)
+        _check(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
         _check(
             self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
             f"block_size must be a power of two, got {self.block_size}",
@@ -384,6 +391,10 @@ FIELD_HELP = {
     "dtype": (
         "auto, float32 (float), float16 (half) or bfloat16 (auto or None: bfloat16 on CUDA and "
         "on CPUs with avx512_bf16 or AMX, float32 on other CPUs)"
+    ),
+    "quantization": (
+        "gguf: compute a GGUF file's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) from their "
+        "blocks on the CPU, the weights' memory the file's size (None: dequantize them at load)"
     ),
     "block_size": "tokens per KV cache block",
     "max_num_seqs": "most requests running in one step",

@@ -25,7 +25,7 @@ from core_engine.worker.kv_connector.kv_connector_worker import (
     execute_with_connector,
 )
 from core_engine.worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
-from core_engine.worker.model_executor.cpu_linear import pack_linears
+from core_engine.worker.model_executor.cpu_linear import model_weight_bytes, pack_linears
 from core_engine.worker.model_runner import ModelRunner
 from core_engine.worker.parallel_state import init_distributed
 from core_engine.worker.structured_outputs import StructuredOutputManager
@@ -98,7 +98,12 @@ class Worker:
         init_distributed(self.rank, self.world_size, self.device)
         path = self.model_path = resolve_model_path(self.model_name)
         self.model, self.model_config = load_model(
-            path, self.device, self.dtype, tp_rank=self.rank, tp_size=self.world_size
+            path,
+            self.device,
+            self.dtype,
+            tp_rank=self.rank,
+            tp_size=self.world_size,
+            quantization=self.config.quantization,
         )
         if self.device.type == "cpu":
             cpu_kernel_loader.set_enabled(not self.config.enforce_eager)
@@ -129,9 +134,12 @@ class Worker:
                 f"groups (sliding windows {windows} and full attention)"
             )
         dtype = str(self.dtype).removeprefix("torch.")
+        quantized = f", {self.config.quantization} weights" if self.config.quantization else ""
+        weight_gib = model_weight_bytes(self.model) / 2**30
         return (
             f"worker rank {ready.rank}: {self.model_path} ({self.model_config.architecture}) on "
-            f"{self.device}, {dtype}{threads}, loaded in {load_s:.1f} s; room for a KV cache of "
+            f"{self.device}, {dtype}{quantized}{threads}, weights {weight_gib:.3f} GiB resident, "
+            f"loaded in {load_s:.1f} s; room for a KV cache of "
             f"{kv_bytes / 2**30:.2f} GiB = {ready.num_gpu_blocks} blocks of {ready.block_size} = "
             f"{blocks}"
         )

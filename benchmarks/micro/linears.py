@@ -6,7 +6,10 @@ engine's default on this CPU unless --dtype):
   scales: the quantized alternative);
 - float32: the project's float32 kernel (`kernels/cpu/f32_matmul.c`, what a float32 model runs
   on an AVX2 CPU without AVX-512), oneDNN's float32 linear on pre-packed weights (what it runs
-  elsewhere) and plain `F.linear` (MKL, what a model without packing runs).
+  elsewhere) and plain `F.linear` (MKL, what a model without packing runs);
+- with `--quantization gguf`: the GGUF-block kernel (`kernels/cpu/gguf_matmul.c`) on the
+  weights quantized to Q4_1 (the default model file's type), against the float32 kernels on
+  the same values dequantized (what the engine runs without --quantization).
 
 Each timing runs the linears of all decoder layers in order (qkv, o, gate_up, down, 30 times
 for SmolLM2-135M), so the weights stream from memory as in a real step rather than sitting in
@@ -14,6 +17,7 @@ cache. Reported per batch size (rows): milliseconds per pass and each way's spee
 the first way (the engine's), measured in the same run, alternating.
 
     python -m benchmarks.micro.linears [--quick] [--dtype float32] [--rows 1 8 28 64 256]
+    python -m benchmarks.micro.linears --quantization gguf
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from benchmarks.harness.common import (
 from core_engine.common.dtypes import torch_dtype
 from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
+from core_engine.kernels.cpu.gguf_matmul import GGUF_MATMUL_TYPES, GgufMatmulWeight, GgufSegment
 from core_engine.worker.model_executor.cpu_linear import pack_weight, packed_linear
 
 # (out_features, in_features) of one SmolLM2-135M decoder layer: qkv, o, gate_up, down
@@ -51,7 +56,7 @@ def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale.to(torch.bfloat16)
 
 
-def build_ways(num_layers: int, dtype: torch.dtype) -> dict:
+def build_ways(num_layers: int, dtype: torch.dtype, quantization: str | None = None) -> dict:
     """name -> (list of per-linear callables x -> y) for every way available on this CPU, the
     engine's own way first."""
     generator = torch.Generator().manual_seed(0)
@@ -60,7 +65,24 @@ def build_ways(num_layers: int, dtype: torch.dtype) -> dict:
         for _ in range(num_layers)
         for shape in LAYER_SHAPES
     ]
+    if quantization == "gguf":
+        return gguf_ways(weights)
     return bf16_ways(weights) if dtype == torch.bfloat16 else float32_ways(weights)
+
+
+def gguf_ways(weights: list[torch.Tensor]) -> dict:
+    """The GGUF-block kernel on Q4_1 blocks, then the float32 ways on their dequantized values."""
+    import gguf
+
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    blocks = [gguf.quants.quantize(w.float().numpy() * 0.02, q4_1) for w in weights]
+    kernel = [
+        GgufMatmulWeight.of([GgufSegment(GGUF_MATMUL_TYPES["Q4_1"], torch.from_numpy(b))])
+        for b in blocks
+    ]
+    ways = {"GGUF Q4_1 kernel": [lambda x, k=k: k.matmul(x) for k in kernel]}
+    dequantized = [torch.from_numpy(gguf.quants.dequantize(b, q4_1)).float() for b in blocks]
+    return ways | float32_ways(dequantized)
 
 
 def bf16_ways(weights: list[torch.Tensor]) -> dict:
@@ -102,8 +124,14 @@ def time_pass(linears: list, inputs: dict[int, torch.Tensor], repeats: int) -> f
     return sorted(times)[len(times) // 2]
 
 
-def measure(rows_list: list[int], num_layers: int, repeats: int, dtype: torch.dtype) -> list[dict]:
-    ways = build_ways(num_layers, dtype)
+def measure(
+    rows_list: list[int],
+    num_layers: int,
+    repeats: int,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+) -> list[dict]:
+    ways = build_ways(num_layers, dtype, quantization)
     results = []
     for rows in rows_list:
         inputs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
@@ -128,7 +156,8 @@ def render_markdown(result: dict) -> str:
         table_rows.append([row["rows"], *(f"{ms[name]:.2f}" for name in names), *ratios])
     return (
         f"### Linears of {result['num_layers']} SmolLM2-135M layers on CPU "
-        f"({result['dtype']}, {result['threads']} threads, weights streamed from memory)\n\n"
+        f"({result['dtype']}{', GGUF blocks' if result.get('quantization') else ''}, "
+        f"{result['threads']} threads, weights streamed from memory)\n\n"
         + markdown_table(header, table_rows)
         + f"\n\nTime ratios above 1 are slower than the {baseline}. Median of "
         f"{result['repeats']} passes per cell.\n"
@@ -143,26 +172,30 @@ def main() -> None:
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default=None, help="default: the engine's"
     )
+    parser.add_argument("--quantization", choices=["gguf"], default=None,
+                        help="gguf: the GGUF-block kernel on Q4_1 weights, against float32")  # fmt: skip
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     threads = args.threads or default_num_threads()
     torch.set_num_threads(threads)
     rows_list = args.rows or ([1, 28] if args.quick else [1, 8, 28, 64, 256])
     num_layers, repeats = (2, 3) if args.quick else (NUM_LAYERS, 7)
-    dtype_name = args.dtype or engine_default_dtype("cpu")
+    dtype_name = "float32" if args.quantization else args.dtype or engine_default_dtype("cpu")
     result = {
         "benchmark": "linears",
         "quick": args.quick,
         "machine": machine_info(),
         "threads": threads,
         "dtype": dtype_name,
+        "quantization": args.quantization,
         "num_layers": num_layers,
         "repeats": repeats,
-        "rows": measure(rows_list, num_layers, repeats, torch_dtype(dtype_name)),
+        "rows": measure(
+            rows_list, num_layers, repeats, torch_dtype(dtype_name), args.quantization
+        ),
     }
-    write_results(
-        result, render_markdown(result), args.output_dir, result_name("linears", args.quick)
-    )
+    name = "gguf_linears" if args.quantization else "linears"
+    write_results(result, render_markdown(result), args.output_dir, result_name(name, args.quick))
 
 
 if __name__ == "__main__":

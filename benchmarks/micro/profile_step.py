@@ -15,6 +15,8 @@ encoding the `SchedulerOutput` and `ModelRunnerOutput`, one trip each through a 
 (`MessagePipe`), decoding.
 
     python -m benchmarks.micro.profile_step [--dtype float32|bfloat16] [--threads N] [--quick]
+    python -m benchmarks.micro.profile_step --workload decode --num-prompts 1   # one user
+    python -m benchmarks.micro.profile_step --quantization gguf   # a GGUF file's blocks as shipped
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from core_engine.proto import (
     SamplingParams,
     SchedulerOutput,
 )
-from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.engine_config import QUANTIZATIONS, EngineConfig
 from core_engine.proto.message_pipe import MessagePipe
 from core_engine.worker import model_runner
 from core_engine.worker.host_allocator import keep_freed_memory
@@ -107,12 +109,16 @@ class PartTimer:
             if self._child_time:
                 self._child_time[-1] += elapsed
 
-    def wrap(self, owner: object, attribute: str, name: str) -> None:
-        """Replaces `owner.attribute` (a function or method) with a timed version."""
+    def wrap(self, owner: object, attribute: str, name: str, when=None) -> None:
+        """Replaces `owner.attribute` (a function or method) with a timed version; with `when`,
+        only the calls for which `when(*args)` holds are timed (the others count to whatever
+        part encloses them)."""
         original = getattr(owner, attribute)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
+            if when is not None and not when(*args):
+                return original(*args, **kwargs)
             with self.part(name):
                 return original(*args, **kwargs)
 
@@ -134,9 +140,16 @@ def instrument(timer: PartTimer) -> None:
         (llama, "apply_rotary_qk"),
     ):
         timer.wrap(owner, attribute, NORMS)
-    # The module function: SiluAndMul and a gate_up projection that cannot fuse both call it.
+    # The module function: SiluAndMul and a gate_up projection that cannot fuse both call it;
+    # the projection's own method is the fused kernel only where its weight fuses (elsewhere
+    # it runs a timed linear, then the module function).
     timer.wrap(layers, "silu_and_mul", SILU)
-    timer.wrap(layers.MergedColumnParallelLinear, "silu_and_mul", FUSED_GATE_UP)
+    timer.wrap(
+        layers.MergedColumnParallelLinear,
+        "silu_and_mul",
+        FUSED_GATE_UP,
+        when=lambda projection, *_: projection.fuses_silu_and_mul,
+    )
     timer.wrap(layers.VocabParallelEmbedding, "forward", EMBEDDING)
     timer.wrap(layers.ParallelLMHead, "compute_logits", LM_HEAD)
     timer.wrap(sampler.Sampler, "__call__", SAMPLING)
@@ -257,7 +270,9 @@ def render_markdown(result: dict) -> str:
             totals += [f"**{summary['ms_per_step']:.2f}**", "100%"]
     rows.append(totals)
     lines = [
-        f"### Step breakdown, CPU worker ({result['dtype']}, {result['threads']} threads, "
+        f"### Step breakdown, CPU worker ({result['dtype']}"
+        f"{', weights as GGUF blocks' if result.get('quantization') else ''}, "
+        f"{result['threads']} threads, "
         f"{result['workload']})",
         "",
         markdown_table(header, rows),
@@ -290,6 +305,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", default="mixed", choices=WORKLOAD_NAMES,
                         help="one of bench_offline's workloads (burst: vLLM's saturation burst)")  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts of the workload (default: its own; 1: batch-1 decode steps, "
+                        "one user)")  # fmt: skip
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="gguf: the GGUF file's quantized weights as shipped")  # fmt: skip
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="profile_step", help="results file name")
     return parser.parse_args()
@@ -314,14 +334,22 @@ def main() -> None:
     args = parse_args()
     machine = machine_info()
     keep_freed_memory()  # the worker process's allocator settings (worker/__main__.py)
-    config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, max_num_seqs=256)
+    config = EngineConfig(
+        model=args.model,
+        device="cpu",
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_num_seqs=256,
+    )
     executor = LocalExecutor(config)
     worker = executor.worker
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
-    (workload,) = build_workloads(shape, tokenizer.encode, args.seed, [args.workload], None)
+    (workload,) = build_workloads(
+        shape, tokenizer.encode, args.seed, [args.workload], args.num_prompts
+    )
     timer = PartTimer()
     instrument(timer)
     profiled = ProfiledExecutor(executor, timer)
@@ -334,6 +362,7 @@ def main() -> None:
         "quick": args.quick,
         "machine": machine,
         "dtype": str(worker.dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "threads": torch.get_num_threads(),
         "workload": workload.description,
         "output_tokens": workload.num_output_tokens,

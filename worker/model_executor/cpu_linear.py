@@ -29,6 +29,7 @@ from core_engine.kernels.cpu import bf16_matmul as cpu_bf16_matmul
 from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
 from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
+from core_engine.kernels.cpu.gguf_matmul import GgufMatmulWeight
 from core_engine.kernels.cpu.huge_pages import HugePageArena
 
 
@@ -122,7 +123,7 @@ class PackableLinear(nn.Module):
     """
 
     packed_weight: torch.Tensor | None = None
-    kernel_weight: Bf16MatmulWeight | F32MatmulWeight | None = None
+    kernel_weight: Bf16MatmulWeight | F32MatmulWeight | GgufMatmulWeight | None = None
     # The dtype the packed matmul outputs (oneDNN: also computes in); None: the weight's own.
     packed_dtype: torch.dtype | None = None
 
@@ -152,6 +153,11 @@ class PackableLinear(nn.Module):
         name a kernel that is not built."""
         if self.is_packed:
             return False
+        if self.weight.gguf_segments:
+            self.kernel_weight = gguf_weight_of(self.weight)
+            if not keep_dense_weight:
+                self.weight = None
+            return True
         capabilities = capabilities or CpuLinearCapabilities.read()
         kernel = choose_kernel(self.weight, self.packed_dtype, capabilities)
         if kernel is LinearKernel.DENSE:
@@ -170,6 +176,20 @@ class PackableLinear(nn.Module):
         if not keep_dense_weight:
             self.weight = None
         return True
+
+
+def gguf_weight_of(param: nn.Parameter) -> GgufMatmulWeight:
+    """The GGUF segments a parameter was loaded as, as one weight; RuntimeError unless they
+    cover its first rows without a gap (a loader bug, never a user's). Only a vocabulary split
+    over ranks leaves rows uncovered: the padding rows of the last rank."""
+    segments = [param.gguf_segments[row] for row in sorted(param.gguf_segments)]
+    firsts = sorted(param.gguf_segments)
+    covered = [first + segment.num_rows for first, segment in zip(firsts, segments, strict=True)]
+    if firsts[0] != 0 or covered[:-1] != firsts[1:] or covered[-1] > param.shape[0]:
+        raise RuntimeError(
+            f"GGUF segments at rows {firsts} do not cover a weight of {param.shape[0]} rows"
+        )
+    return GgufMatmulWeight.of(segments)
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -196,3 +216,30 @@ def _shared_weight_ids(model: nn.Module) -> set[int]:
         for param in module.parameters(recurse=False):
             seen[id(param)] = seen.get(id(param), 0) + 1
     return {param_id for param_id, count in seen.items() if count > 1}
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """The bytes a loaded model's weights hold in memory: each kernel's packed or block copy,
+    oneDNN's blocked copies, and every parameter still dense (a tied weight once). A parameter
+    loaded as GGUF blocks and never written holds none (its pages were never touched)."""
+    if not isinstance(model, nn.Module):
+        return 0
+    total, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, PackableLinear) and module.kernel_weight is not None:
+            weight = module.kernel_weight
+            tensors = (
+                [s.blocks for s in weight.segments]
+                if isinstance(weight, GgufMatmulWeight)
+                else [weight.packed]
+            )
+        elif isinstance(module, PackableLinear) and module.packed_weight is not None:
+            tensors = [module.packed_weight]
+        else:
+            tensors = []
+        tensors += [p for p in module.parameters(recurse=False) if not p.gguf_segments]
+        for tensor in tensors:
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+    return total

@@ -22,6 +22,8 @@ import torch
 
 from core_engine.common.eos_tokens import gguf_eos_token_ids
 from core_engine.common.gguf_file import GGUFFile, GGUFTensorInfo
+from core_engine.kernels.cpu.gguf_matmul import TYPE_NAMES
+from core_engine.worker.model_executor.gguf_tensor import GgufTensor
 from core_engine.worker.model_executor.model_config import ModelConfig, model_config_from_dicts
 
 GGUF_ARCHITECTURE_TO_HF = {
@@ -148,9 +150,11 @@ def gguf_to_hf_config(gguf_file: GGUFFile) -> tuple[dict[str, Any], dict[str, An
 
 
 def iter_gguf_weights(
-    gguf_file: GGUFFile, config: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF parameter name, float32 CPU tensor in HF layout) for every GGUF tensor.
+    gguf_file: GGUFFile, config: ModelConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GgufTensor]]:
+    """Yields (HF parameter name, float32 CPU tensor in HF layout) for every GGUF tensor; with
+    `keep_quantized`, a matrix whose blocks the GGUF matmul takes (`GGUF_MATMUL_TYPES`) comes as
+    a `GgufTensor` of those blocks instead (rows in HF order too).
 
     Raises ValueError for a tensor with no HF counterpart or whose bytes pass the file's end.
     """
@@ -160,15 +164,28 @@ def iter_gguf_weights(
         if tensor.name == ROPE_FREQS_TENSOR_NAME:  # read into the config instead
             continue
         hf_name = gguf_to_hf_tensor_name(tensor.name, arch)
-        weights = dequantize(tensor_data(mapped, tensor), tensor.type_id)
+        data = tensor_data(mapped, tensor)
+        if keep_quantized and len(tensor.dims) == 2 and tensor.type_id in TYPE_NAMES:
+            blocks = _hf_rows(data, hf_name, arch, config)
+            shape = (tensor.dims[1], tensor.dims[0])
+            yield hf_name, GgufTensor(tensor.type_id, torch.from_numpy(blocks.copy()), shape)
+            continue
+        weights = dequantize(data, tensor.type_id)
         if arch in NORM_PLUS_ONE_ARCHITECTURES and hf_name.endswith("norm.weight"):
             weights = weights - np.float32(1.0)
-        if arch in PERMUTED_QK_ARCHITECTURES:
-            if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                weights = unpermute_qk_rows(weights, config.num_attention_heads)
-            elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                weights = unpermute_qk_rows(weights, config.num_key_value_heads)
+        weights = _hf_rows(weights, hf_name, arch, config)
         yield hf_name, torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
+
+
+def _hf_rows(rows: np.ndarray, hf_name: str, arch: str, config: ModelConfig) -> np.ndarray:
+    """A tensor's rows (values, or rows of quantized blocks) in HF order: llama.cpp's
+    converter permuted the Q and K projections' rows of the `llama` architecture."""
+    if arch in PERMUTED_QK_ARCHITECTURES:
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            return unpermute_qk_rows(rows, config.num_attention_heads)
+        if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            return unpermute_qk_rows(rows, config.num_key_value_heads)
+    return rows
 
 
 def tensor_data(mapped: np.ndarray, tensor: GGUFTensorInfo) -> np.ndarray:

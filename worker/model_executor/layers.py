@@ -25,7 +25,9 @@ from core_engine.common.config_error import ConfigError
 from core_engine.common.math_utils import cdiv
 from core_engine.kernels.cpu import fused_ops as cpu_fused_ops
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
-from core_engine.worker.model_executor.cpu_linear import PackableLinear
+from core_engine.kernels.cpu.gguf_matmul import GgufMatmulWeight
+from core_engine.worker.model_executor.cpu_linear import PackableLinear, gguf_weight_of
+from core_engine.worker.model_executor.gguf_tensor import GgufTensor
 from core_engine.worker.parallel_state import tensor_parallel_all_gather, tensor_parallel_all_reduce
 
 
@@ -47,6 +49,16 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def load_rows(param: nn.Parameter, offset: int, loaded: torch.Tensor | GgufTensor) -> None:
+    """Rows [offset, offset + len(loaded)) of `param` from `loaded`: copied, or, for GGUF blocks
+    (`--quantization gguf`), kept as the parameter's segment at `offset`, the dense rows never
+    written (so never resident)."""
+    if isinstance(loaded, GgufTensor):
+        param.gguf_segments[offset] = loaded.segment()
+        return
+    default_weight_loader(param.data.narrow(0, offset, loaded.shape[0]), loaded)
+
+
 def check_shape(loaded_weight: torch.Tensor, expected_shape: tuple[int, ...]) -> None:
     """ValueError naming both shapes unless the FULL checkpoint tensor has `expected_shape`."""
     if tuple(loaded_weight.shape) != tuple(expected_shape):
@@ -57,9 +69,11 @@ def check_shape(loaded_weight: torch.Tensor, expected_shape: tuple[int, ...]) ->
 
 
 def _new_parameter(*shape: int, weight_loader) -> nn.Parameter:
-    # Uninitialized: every parameter is overwritten from the checkpoint (the loader checks).
+    # Uninitialized: every parameter is overwritten from the checkpoint (the loader checks), or
+    # left unwritten when its checkpoint tensor comes as GGUF blocks (`load_rows`).
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = weight_loader
+    param.gguf_segments = {}  # first row -> GgufSegment, when loaded as GGUF blocks
     return param
 
 
@@ -288,7 +302,7 @@ class ColumnParallelLinear(PackableLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[0]
         check_shape(loaded_weight, (size * self.tp_size, *param.shape[1:]))
-        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * size, size))
+        load_rows(param, 0, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -318,8 +332,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = divide(self.output_sizes[shard_id], self.tp_size, "output_size")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[1:]))
-        shard = param.data.narrow(0, offset, size)
-        default_weight_loader(shard, loaded_weight.narrow(0, self.tp_rank * size, size))
+        load_rows(param, offset, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     @property
     def fuses_silu_and_mul(self) -> bool:
@@ -398,9 +411,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
         check_shape(loaded_weight, (total_heads * self.head_dim, *param.shape[1:]))
-        default_weight_loader(
-            param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size)
-        )
+        load_rows(param, offset, loaded_weight.narrow(0, start, size))
 
 
 class RowParallelLinear(PackableLinear):
@@ -427,7 +438,7 @@ class RowParallelLinear(PackableLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[1]
         check_shape(loaded_weight, (param.shape[0], size * self.tp_size))
-        default_weight_loader(param, loaded_weight.narrow(1, self.tp_rank * size, size))
+        load_rows(param, 0, loaded_weight.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
@@ -439,7 +450,10 @@ class VocabParallelEmbedding(nn.Module):
 
     Each rank holds ceil(vocab / tp) rows (the last rank's tail rows are zero padding); a token
     outside a rank's range embeds to zero there, and the all-reduce sums the one real row.
+    Loaded as GGUF blocks (`gguf_weight`), rows are dequantized as they are looked up.
     """
+
+    gguf_weight: GgufMatmulWeight | None = None
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
@@ -460,19 +474,34 @@ class VocabParallelEmbedding(nn.Module):
                 f"says vocab_size={self.num_embeddings}"
             )
         num_rows = max(0, min(self.num_embeddings - self.vocab_start, param.shape[0]))
-        param.data.zero_()
-        default_weight_loader(
-            param.data.narrow(0, 0, num_rows), loaded_weight.narrow(0, self.vocab_start, num_rows)
-        )
+        if not isinstance(loaded_weight, GgufTensor):
+            param.data.zero_()
+        load_rows(param, 0, loaded_weight.narrow(0, self.vocab_start, num_rows))
+
+    def finish_loading(self) -> None:
+        """Takes the weight's GGUF blocks, if it was loaded as such, for `forward`; the dense
+        rows were never written."""
+        if self.weight.gguf_segments and self.gguf_weight is None:
+            self.gguf_weight = gguf_weight_of(self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._embed(input_ids)
         local_ids = input_ids - self.vocab_start
-        is_local = (local_ids >= 0) & (local_ids < self.num_embeddings_per_rank)
-        embeddings = F.embedding(local_ids.clamp(0, self.num_embeddings_per_rank - 1), self.weight)
+        num_rows = (
+            self.gguf_weight.num_columns
+            if self.gguf_weight is not None
+            else self.num_embeddings_per_rank
+        )
+        is_local = (local_ids >= 0) & (local_ids < num_rows)
+        embeddings = self._embed(local_ids.clamp(0, num_rows - 1))
         embeddings = embeddings * is_local[:, None].to(embeddings.dtype)
         return tensor_parallel_all_reduce(embeddings, self.tp_size)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_weight is not None:
+            return self.gguf_weight.dequantize_rows(ids).to(self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
 
 # Vocabulary rows per matmul of the LM head on CPU. One [N, hidden] x [vocab, hidden]^T product
@@ -507,6 +536,8 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
         """hidden [N, hidden] -> float32 logits [N, vocab_size] (gathered on every rank)."""
         if self.is_packed:
             logits = self.matmul(hidden_states, None)
+            if logits.shape[1] < self.num_embeddings_per_rank:  # GGUF blocks of real rows only
+                logits = F.pad(logits, (0, self.num_embeddings_per_rank - logits.shape[1]))
         elif hidden_states.device.type == "cpu":
             logits = _linear_in_row_slices(hidden_states, self.weight, CPU_LOGITS_ROWS_PER_MATMUL)
         else:

@@ -9,10 +9,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core_engine.common.config_error import ConfigError
 from core_engine.common.dtypes import dtype_name
 from core_engine.common.gguf_file import GGUFFile
 from core_engine.common.model_files import is_gguf_file
+from core_engine.proto.engine_config import QUANTIZATIONS
 from core_engine.worker.model_executor.gguf_loader import gguf_model_config, iter_gguf_weights
+from core_engine.worker.model_executor.gguf_tensor import GgufTensor
+from core_engine.worker.model_executor.layers import VocabParallelEmbedding
 from core_engine.worker.model_executor.model_config import ModelConfig, load_hf_model_config
 from core_engine.worker.model_executor.models import get_model_class
 
@@ -26,33 +30,61 @@ def load_model(
     dtype: torch.dtype,
     tp_rank: int = 0,
     tp_size: int = 1,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """(model in eval mode on `device` in `dtype`, its config); this rank's shard when tp_size > 1.
+    `quantization="gguf"` keeps a GGUF file's quantized matrices as their blocks (computed by
+    `kernels.cpu.gguf_matmul`; CPU only), None dequantizes them.
 
     Every parameter is loaded exactly from the checkpoint or this raises ValueError naming the
-    missing or unexpected tensors; also FileNotFoundError for missing files and ValueError for
-    an unsupported architecture or dtype.
+    missing or unexpected tensors; also FileNotFoundError for missing files, ValueError for
+    an unsupported architecture or dtype, and ConfigError for a quantization the model or device
+    cannot take.
     """
     dtype_name(dtype)  # ValueError for a dtype the engine does not compute in
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
     path = Path(path)
-    config, weights = open_checkpoint(path)
+    _check_quantization(quantization, path, device)
+    config, weights = open_checkpoint(path, keep_quantized=quantization == "gguf")
     with _default_dtype(dtype), torch.device(device):
         model = get_model_class(config.architecture)(config, tp_rank, tp_size)
     load_weights(model, weights)
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.finish_loading()
     return model.eval(), config
 
 
-def open_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """(config, lazy (HF tensor name, full CPU tensor) pairs) of a GGUF file or an HF folder.
+def _check_quantization(quantization: str | None, path: Path, device: torch.device) -> None:
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization={quantization!r}: the engine knows {QUANTIZATIONS}")
+    if not is_gguf_file(path):
+        raise ConfigError(
+            f"quantization='gguf' keeps a GGUF file's quantized weights, but {str(path)!r} is "
+            "not a GGUF file: drop --quantization"
+        )
+    if device.type != "cpu":
+        raise ConfigError(
+            f"quantization='gguf' runs on the CPU's kernels only, not on {device.type}: drop "
+            "--quantization, or use --device cpu"
+        )
+
+
+def open_checkpoint(
+    path: Path, keep_quantized: bool = False
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | GgufTensor]]]:
+    """(config, lazy (HF tensor name, full CPU tensor) pairs) of a GGUF file or an HF folder;
+    `keep_quantized`: a GGUF file's quantized matrices come as `GgufTensor`s.
 
     A GGUF file is opened once for both.
     """
     if is_gguf_file(path):
         gguf_file = GGUFFile(path)
         config = gguf_model_config(gguf_file)
-        return config, iter_gguf_weights(gguf_file, config)
+        return config, iter_gguf_weights(gguf_file, config, keep_quantized)
     from core_engine.worker.model_executor.safetensors_loader import iter_safetensors_weights
 
     config = load_hf_model_config(path)
