@@ -390,7 +390,7 @@ FIELD_HELP = {
     "device": "auto, cpu or cuda",
     "dtype": (
         "auto, float32 (float), float16 (half) or bfloat16 (auto or None: bfloat16 on CUDA and "
-        "on CPUs with avx512_bf16 or AMX, float32 on other CPUs)"
+        "on CPUs with avx512_bf16 or AMX, float32 on other CPUs and with --quantization gguf)"
     ),
     "quantization": (
         "gguf: compute a GGUF file's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) from their "

@@ -25,6 +25,7 @@ from core_engine.worker.kv_connector.kv_connector_worker import (
     execute_with_connector,
 )
 from core_engine.worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
+from core_engine.worker.model_executor.cpu_decoder import enable_cpu_decoder
 from core_engine.worker.model_executor.cpu_linear import model_weight_bytes, pack_linears
 from core_engine.worker.model_runner import ModelRunner
 from core_engine.worker.parallel_state import init_distributed
@@ -71,7 +72,7 @@ class Worker:
         self.config = config
         self.model_name = config.model
         self.device = resolve_device(config.device, rank if device_index is None else device_index)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization)
         self.rank = rank
         self.world_size = world_size
         self.block_size = config.block_size
@@ -85,6 +86,7 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector: KVConnectorWorker | None = None
         self._max_model_len: int | None = None
+        self.decodes_in_c = False  # decode steps run the layers in one C call (cpu_decoder.py)
 
     def load_model(self) -> None:
         """Resolves the model path, loads this rank's weights (on a CPU, linears pre-packed for
@@ -108,6 +110,7 @@ class Worker:
         if self.device.type == "cpu":
             cpu_kernel_loader.set_enabled(not self.config.enforce_eager)
             pack_linears(self.model)
+            self.decodes_in_c = enable_cpu_decoder(self.model)
         self._max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = self.config.step_token_budget(
             self._default_step_budget, self._max_model_len
@@ -135,10 +138,12 @@ class Worker:
             )
         dtype = str(self.dtype).removeprefix("torch.")
         quantized = f", {self.config.quantization} weights" if self.config.quantization else ""
+        in_c = ", decode layers in one C call" if self.decodes_in_c else ""
         weight_gib = model_weight_bytes(self.model) / 2**30
         return (
             f"worker rank {ready.rank}: {self.model_path} ({self.model_config.architecture}) on "
-            f"{self.device}, {dtype}{quantized}{threads}, weights {weight_gib:.3f} GiB resident, "
+            f"{self.device}, {dtype}{quantized}{threads}{in_c}, weights {weight_gib:.3f} GiB "
+            "resident, "
             f"loaded in {load_s:.1f} s; room for a KV cache of "
             f"{kv_bytes / 2**30:.2f} GiB = {ready.num_gpu_blocks} blocks of {ready.block_size} = "
             f"{blocks}"
@@ -351,9 +356,15 @@ def resolve_device(device: str, rank: int = 0) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """None -> bfloat16 on CUDA and on CPUs with native bf16 (see `cpu_features`), float32 on
-    other CPUs; otherwise the dtype of that name (`common.dtypes`)."""
+def resolve_dtype(
+    dtype: str | None, device: torch.device, quantization: str | None = None
+) -> torch.dtype:
+    """None -> float32 under quantization 'gguf' (its kernels take and give float32, and the
+    decode layers run in one C call only in float32), else bfloat16 on CUDA and on CPUs with
+    native bf16 (see `cpu_features`), float32 on other CPUs; otherwise the dtype of that name
+    (`common.dtypes`)."""
+    if dtype is None and quantization == "gguf":
+        return torch.float32
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else default_cpu_dtype()
     if dtype not in DTYPE_NAMES:

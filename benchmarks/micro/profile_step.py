@@ -9,7 +9,8 @@ share of each part. Timers nest: a part's time excludes the timed parts inside i
 "forward, untimed" is what remains of the model call (residual adds, reshapes, Python).
 Where the float32 kernel fuses a SiLU MLP's gate_up matmul with SiLU-and-mul, that call is its
 own part ("gate_up + SiLU-and-mul, fused") and the SiLU-and-mul and gate_up shares of the
-other two parts are zero.
+other two parts are zero. Steps whose decoder layers run in one C call (cpu_decoder.py) get
+the same parts from the C driver's own clock; `--python-layers` runs them from Python instead.
 IPC is what the multi-process engine adds per step, measured here on the step's real messages:
 encoding the `SchedulerOutput` and `ModelRunnerOutput`, one trip each through a socketpair
 (`MessagePipe`), decoding.
@@ -17,12 +18,14 @@ encoding the `SchedulerOutput` and `ModelRunnerOutput`, one trip each through a 
     python -m benchmarks.micro.profile_step [--dtype float32|bfloat16] [--threads N] [--quick]
     python -m benchmarks.micro.profile_step --workload decode --num-prompts 1   # one user
     python -m benchmarks.micro.profile_step --quantization gguf   # a GGUF file's blocks as shipped
+    python -m benchmarks.micro.profile_step --python-layers       # no one-call C decoder
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import functools
 import socket
 import time
@@ -57,7 +60,9 @@ from core_engine.proto.message_pipe import MessagePipe
 from core_engine.worker import model_runner
 from core_engine.worker.host_allocator import keep_freed_memory
 from core_engine.worker.local_executor import LocalExecutor
+from core_engine.kernels.cpu import decode_layers as c_decode
 from core_engine.worker.model_executor import layers
+from core_engine.worker.model_executor.cpu_decoder import CpuDecoderStack
 from core_engine.worker.model_executor.models import llama
 from core_engine.worker.sample import sampler
 
@@ -124,6 +129,13 @@ class PartTimer:
 
         setattr(owner, attribute, timed)
 
+    def add_child(self, name: str, seconds: float) -> None:
+        """Adds `seconds` timed elsewhere (inside a C call) to part `name`, inside the part
+        now open."""
+        self.step[name] += seconds
+        if self._child_time:
+            self._child_time[-1] += seconds
+
     def take_step(self) -> dict[str, float]:
         step, self.step = self.step, defaultdict(float)
         return step
@@ -158,6 +170,28 @@ def instrument(timer: PartTimer) -> None:
         timer.wrap(Scheduler, attribute, SCHEDULER)
     for attribute in ("_update_states", "_prepare_inputs"):
         timer.wrap(model_runner.ModelRunner, attribute, HOST)
+    time_c_decoder_parts(timer)
+
+
+def time_c_decoder_parts(timer: PartTimer) -> None:
+    """The decoder layers run in one C call on the steps it takes (cpu_decoder.py): the C
+    driver times its parts itself, and they count to the same parts as the Python layers'."""
+    names = (LINEARS, ATTENTION, NORMS, SILU, FUSED_GATE_UP)  # decode_layers.c's order
+    assert len(names) == len(c_decode.PART_NAMES)
+    original = CpuDecoderStack.run
+
+    @functools.wraps(original)
+    def run(stack, *args, **kwargs):
+        seconds = (ctypes.c_double * len(names))()
+        stack.part_seconds = seconds
+        try:
+            return original(stack, *args, **kwargs)
+        finally:
+            stack.part_seconds = None
+            for name, part_seconds in zip(names, seconds, strict=True):
+                timer.add_child(name, part_seconds)
+
+    CpuDecoderStack.run = run
 
 
 class MessageRoundTrip:
@@ -271,7 +305,8 @@ def render_markdown(result: dict) -> str:
     rows.append(totals)
     lines = [
         f"### Step breakdown, CPU worker ({result['dtype']}"
-        f"{', weights as GGUF blocks' if result.get('quantization') else ''}, "
+        f"{', weights as GGUF blocks' if result.get('quantization') else ''}"
+        f"{', decode layers in one C call' if result.get('layers_in_c') else ''}, "
         f"{result['threads']} threads, "
         f"{result['workload']})",
         "",
@@ -310,6 +345,9 @@ def parse_args() -> argparse.Namespace:
                         "one user)")  # fmt: skip
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="gguf: the GGUF file's quantized weights as shipped")  # fmt: skip
+    parser.add_argument("--python-layers", action="store_true",
+                        help="run every step's decoder layers from Python (no one-call C "
+                        "decoder), for comparison")  # fmt: skip
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="profile_step", help="results file name")
     return parser.parse_args()
@@ -345,6 +383,9 @@ def main() -> None:
     worker = executor.worker
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    decoder = getattr(worker.model, "model", None)
+    if args.python_layers and decoder is not None and hasattr(decoder, "cpu_decoder"):
+        decoder.cpu_decoder = None
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     (workload,) = build_workloads(
@@ -363,6 +404,7 @@ def main() -> None:
         "machine": machine,
         "dtype": str(worker.dtype).removeprefix("torch."),
         "quantization": args.quantization,
+        "layers_in_c": getattr(decoder, "cpu_decoder", None) is not None,
         "threads": torch.get_num_threads(),
         "workload": workload.description,
         "output_tokens": workload.num_output_tokens,

@@ -37,17 +37,23 @@ CLI_SHIM = (
 
 @dataclass(frozen=True, slots=True)
 class BurstWorkload:
-    """`num_prompts` random prompts of `input_len` tokens, `output_len` out, at `rate`/s."""
+    """`num_prompts` random prompts of `input_len` tokens, `output_len` out, at `rate`/s, at
+    most `max_concurrency` in flight (None: no bound; 1: one user at a time)."""
 
     name: str
     num_prompts: int
     input_len: int
     output_len: int
     rate: float  # math.inf: all at once
+    max_concurrency: int | None = None
 
     def describe(self) -> str:
         rate = "rate inf" if math.isinf(self.rate) else f"{self.rate:g} requests/s"
-        return f"{self.num_prompts} prompts, {self.input_len} in / {self.output_len} out, {rate}"
+        bound = "" if self.max_concurrency is None else f", {self.max_concurrency} at a time"
+        return (
+            f"{self.num_prompts} prompts, {self.input_len} in / {self.output_len} out, "
+            f"{rate}{bound}"
+        )
 
 
 SATURATION = BurstWorkload("saturation", 64, 128, 64, math.inf)
@@ -79,6 +85,8 @@ def bench_serve_argv(
         "--request-rate", rate, "--seed", str(seed), "--ignore-eos",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name,
+        *(() if workload.max_concurrency is None
+          else ("--max-concurrency", str(workload.max_concurrency))),
     ]  # fmt: skip
 
 

@@ -188,6 +188,27 @@ def paged_attention(
     return out.copy_(result)
 
 
+def decode_kernel_plan(
+    num_q_heads: int, kv_cache: torch.Tensor, metadata: AttentionMetadata
+) -> _CpuPlan | None:
+    """The step's plan (the one `paged_attention` builds and shares) when the decode kernel
+    attends every request of the step over this cache with float32 queries, as in a decode
+    step; None when any request goes elsewhere (the prefill kernel, SDPA) or the kernel does
+    not take the cache."""
+    library = cpu_kernel_loader.load()
+    if library is None:
+        return None
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    capabilities = attention_capabilities(library, num_q_heads, num_kv_heads, head_dim, block_size)
+    if not _kernel_supports(capabilities, kv_cache):
+        return None
+    routing = _routing(capabilities, torch.float32, kv_cache.dtype)
+    plan = metadata.plans.get(
+        ("cpu", block_size, routing), lambda: _build_plan(metadata, block_size, routing)
+    )
+    return None if len(plan.prefill_requests) or plan.long_requests else plan
+
+
 def _kernel_supports(capabilities: CpuAttentionCapabilities, kv_cache: torch.Tensor) -> bool:
     """Contiguous float32 or bfloat16 CPU caches whose head size is a multiple of the
     kernel's vector width (16 floats with AVX-512)."""

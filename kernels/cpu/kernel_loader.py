@@ -4,8 +4,9 @@ One shared library holds them all: paged attention (`paged_attention.c`, and
 `prefill_attention.c` for long queries over a float32 cache on AVX2), the fused
 elementwise ops of a decoder layer (`fused_ops.c`), the bf16 matmul of a bf16
 model's linears and LM head (`bf16_matmul.c`), the float32 matmul of a float32 model's
-on CPUs without AVX-512 (`f32_matmul.c`), and the matmul of weights kept as GGUF blocks
-(`gguf_matmul.c`). It is compiled with `-march=native`,
+on CPUs without AVX-512 (`f32_matmul.c`), the matmul of weights kept as GGUF blocks
+(`gguf_matmul.c`) and a decoder stack's layers in one call (`decode_layers.c`). It is
+compiled with `-march=native`,
 so it is cached under a key made of the sources' text, the compile command, the compiler's
 version and this CPU's model and flags:
 a cache directory shared by different machines never hands one a library built for another.
@@ -41,6 +42,7 @@ SOURCES = tuple(
         "bf16_matmul.c",
         "f32_matmul.c",
         "gguf_matmul.c",
+        "decode_layers.c",
     )
 )
 HEADERS = (
@@ -232,6 +234,9 @@ def _declare(library: ctypes.CDLL) -> None:
         library.gguf_matmul,
         [pointer, i64, pointer, i32, pointer, pointer, i64, i64, i64, i64, i32],
     )
+    # stack, step, normed, residual, projected
+    _signature(library.decode_layers, [pointer, pointer, pointer, pointer, pointer], ctypes.c_int)
+    _signature(library.decode_layers_layout, [pointer, i32], i64)
     # blocks, type, k, row_ids, num_rows, out
     _signature(library.gguf_dequantize_rows, [pointer, i32, i64, pointer, i64, pointer])
 

@@ -11,6 +11,7 @@ import time
 
 from benchmarks.harness import proc_stats
 from benchmarks.peers.vllm_bench_client import SATURATION, bench_serve_argv, summary
+from benchmarks.serving import one_user
 from benchmarks.serving import vllm_client as serving_vllm_client
 from benchmarks.serving.profile import step_stats
 from core_engine.core.step_trace import StepRecord
@@ -101,3 +102,48 @@ def test_ratios_and_markdown_compare_engine_with_vllm():
     markdown = serving_vllm_client.render_markdown(result)
     assert "| output tok/s | 150.0 | 100.0 | 1.50 |" in markdown
     assert "AVX2" in markdown and "64 prompts, 128 in / 64 out, rate inf" in markdown
+
+
+# ---- the one-user comparison (benchmarks/serving/one_user.py) on fake results ----------------
+
+
+def test_a_bounded_concurrency_reaches_the_clients_command_line(tmp_path):
+    argv = bench_serve_argv("/venv/bin/python", "http://127.0.0.1:9", "m", tmp_path / "tok",
+                            one_user.ONE_USER, tmp_path, "r.json")  # fmt: skip
+    pairs = dict(zip(argv[3::1], argv[4::1], strict=False))
+    assert pairs["--max-concurrency"] == "1" and pairs["--num-prompts"] == "8"
+    assert "--max-concurrency" not in bench_serve_argv(
+        "/p", "http://h:9", "m", tmp_path, SATURATION, tmp_path, "r.json"
+    )
+    assert one_user.ONE_USER.describe().endswith("rate inf, 1 at a time")
+
+
+def test_rounds_merge_as_medians_and_the_targets_are_judged():
+    rounds = [summary(fake_result(70.0, 300.0, tpot)) for tpot in (9.0, 8.0, 11.0)]
+    merged = one_user.median_summary(rounds)
+    assert merged["median_tpot_ms"] == 9.0 and merged["failed"] == 0
+    assert merged["completed"] == 3 * 64
+
+    def server(tpot, ttft, throughput):
+        row = {"summary": summary(fake_result(throughput, ttft, tpot))}
+        return {"one user": row, "saturation": row}
+
+    results = {
+        one_user.CORE_DEFAULT: server(20.0, 300.0, 100.0),
+        one_user.CORE_GGUF: server(8.0, 280.0, 160.0),
+        one_user.LLAMA_SERVER: server(11.0, 500.0, 80.0),
+        one_user.VLLM: server(25.0, 200.0, 100.0),
+    }
+    targets = one_user.targets(results)
+    tpot, ttft, saturation = targets.values()
+    assert math.isclose(tpot["ratio"], 8.0 / 11.0) and tpot["met"] is True
+    assert math.isclose(ttft["ratio"], 280.0 / 300.0) and ttft["met"] is True
+    assert math.isclose(saturation["ratio"], 1.6) and saturation["met"] is True
+    del results[one_user.LLAMA_SERVER]
+    assert one_user.targets(results)["TPOT p50, one user: gguf / llama-server"]["met"] is None
+
+
+def test_greedy_agreement_counts_identical_completions_and_common_prefixes():
+    result = one_user.agreement(["abcd", "same", "xy"], ["abXX", "same", "q"])
+    assert result["identical"] == 1 and result["total"] == 3
+    assert math.isclose(result["mean_common_prefix"], (0.5 + 1.0 + 0.0) / 3)

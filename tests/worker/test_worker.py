@@ -43,7 +43,7 @@ def tiny_loader(monkeypatch):
     """Makes Worker.load_model load TinyCausalLM; records what it was asked for."""
     calls = []
 
-    def load_model(path, device, dtype, tp_rank=0, tp_size=1):
+    def load_model(path, device, dtype, tp_rank=0, tp_size=1, quantization=None):
         calls.append((path, device, dtype, tp_rank, tp_size))
         return TinyCausalLM(), TinyConfig()
 

@@ -29,7 +29,7 @@ from core_engine.kernels.cpu import bf16_matmul as cpu_bf16_matmul
 from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
 from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
-from core_engine.kernels.cpu.gguf_matmul import GgufMatmulWeight
+from core_engine.kernels.cpu.gguf_matmul import GgufMatmulWeight, GgufSegment
 from core_engine.kernels.cpu.huge_pages import HugePageArena
 
 
@@ -154,7 +154,8 @@ class PackableLinear(nn.Module):
         if self.is_packed:
             return False
         if self.weight.gguf_segments:
-            self.kernel_weight = gguf_weight_of(self.weight)
+            # Blocks another module reads (a tied embedding's) stay where they are.
+            self.kernel_weight = gguf_weight_of(self.weight, None if keep_dense_weight else arena)
             if not keep_dense_weight:
                 self.weight = None
             return True
@@ -178,10 +179,11 @@ class PackableLinear(nn.Module):
         return True
 
 
-def gguf_weight_of(param: nn.Parameter) -> GgufMatmulWeight:
-    """The GGUF segments a parameter was loaded as, as one weight; RuntimeError unless they
-    cover its first rows without a gap (a loader bug, never a user's). Only a vocabulary split
-    over ranks leaves rows uncovered: the padding rows of the last rank."""
+def gguf_weight_of(param: nn.Parameter, arena: HugePageArena | None = None) -> GgufMatmulWeight:
+    """The GGUF segments a parameter was loaded as, as one weight (its blocks moved into
+    `arena`, on 2 MiB pages, when given); RuntimeError unless they cover its first rows
+    without a gap (a loader bug, never a user's). Only a vocabulary split over ranks leaves
+    rows uncovered: the padding rows of the last rank."""
     segments = [param.gguf_segments[row] for row in sorted(param.gguf_segments)]
     firsts = sorted(param.gguf_segments)
     covered = [first + segment.num_rows for first, segment in zip(firsts, segments, strict=True)]
@@ -189,7 +191,14 @@ def gguf_weight_of(param: nn.Parameter) -> GgufMatmulWeight:
         raise RuntimeError(
             f"GGUF segments at rows {firsts} do not cover a weight of {param.shape[0]} rows"
         )
-    return GgufMatmulWeight.of(segments)
+    weight = GgufMatmulWeight.of(segments)
+    if arena is None:
+        return weight
+    moved = []
+    for segment in weight.segments:
+        blocks = arena.empty(tuple(segment.blocks.shape), torch.uint8, 64)
+        moved.append(GgufSegment(segment.type_id, blocks.copy_(segment.blocks)))
+    return GgufMatmulWeight(tuple(moved), weight.k)
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from core_engine.kernels import AttentionMetadata, write_kv_and_attend
+from core_engine.worker.model_executor.cpu_decoder import CpuDecoderStack
 from core_engine.worker.model_executor.layers import (
     ACTIVATION_AND_MUL,
     MergedColumnParallelLinear,
@@ -137,18 +138,30 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(previous layer's output, residual stream before it) -> the same pair for this
         layer; residual None on the first layer, whose hidden_states are the embeddings."""
-        if residual is None:
-            residual = hidden_states.to(residual_dtype(hidden_states.device, hidden_states.dtype))
-            hidden_states = self.input_layernorm(residual)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.input_norm(hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, cos_sin, kv_cache, metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
+    def input_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm: (normalized, residual stream), the stream starting as the
+        embeddings on the first layer (residual None) and adding hidden_states after it."""
+        if residual is None:
+            residual = hidden_states.to(residual_dtype(hidden_states.device, hidden_states.dtype))
+            return self.input_layernorm(residual), residual
+        return self.input_layernorm(hidden_states, residual)
+
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm: token ids -> last hidden states."""
+    """Embedding, decoder layers, final norm: token ids -> last hidden states.
+
+    `cpu_decoder` (set by the CPU worker once the linears are packed, see
+    `enable_cpu_decoder`) runs the layers of the steps it takes in one C call, with the same
+    result as the loop over them."""
+
+    cpu_decoder: CpuDecoderStack | None = None
 
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
@@ -170,10 +183,23 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary_emb(positions)
+        if self.cpu_decoder is not None and self.cpu_decoder.takes(
+            hidden_states, kv_caches, metadata
+        ):
+            normed, residual = self.layers[0].input_norm(hidden_states, None)
+            output = self.cpu_decoder.run(normed, residual, cos_sin, kv_caches, metadata)
+            hidden_states, _ = self.norm(output, residual)
+            return hidden_states
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(hidden_states, residual, cos_sin, kv_cache, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def enable_cpu_decoder(self) -> bool:
+        """Describes the layers to the C decode driver when it runs all of them (a CPU model
+        with packed linears); whether it does."""
+        self.cpu_decoder = CpuDecoderStack.of(list(self.layers))
+        return self.cpu_decoder is not None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,125 @@
+"""The decoder layers in one C call (`worker/model_executor/cpu_decoder.py`) give the Python
+layers' hidden states and KV caches bit for bit, on the steps they take: decodes, and small
+chunks beside decodes; longer prompts stay the Python layers'. On the default model's GGUF
+blocks (`--quantization gguf`, every build), and on a tiny float32 model with biases on the
+float32 kernel where the build has it (AVX2 without AVX-512); models with a part the driver
+does not run (q/k norm) keep the Python layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core_engine.common.model_files import resolve_model_path
+from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
+from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.worker.model_executor.cpu_decoder import enable_cpu_decoder
+from core_engine.worker.model_executor.cpu_linear import pack_linears
+from core_engine.worker.model_executor.model_loader import load_model
+from tests.helpers.model_fixtures import (
+    build_paged_batch,
+    build_tiny_model_folder,
+    make_kv_caches,
+)
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernel_loader.load() is None, reason="no C compiler: the CPU kernels are not built"
+)
+BLOCK_SIZE = 16
+NUM_BLOCKS = 24
+
+
+def load_packed(path, quantization=None):
+    model, config = load_model(path, torch.device("cpu"), torch.float32, quantization=quantization)
+    pack_linears(model)
+    return model, config
+
+
+def prompts_of(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    lengths = (37, 5, 70)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def block_ids_of(prompts: list[list[int]], extra_tokens: int) -> list[list[int]]:
+    """Each request's blocks, scattered (every other free block), room for extra tokens."""
+    free = iter(range(1, NUM_BLOCKS, 2))
+    ids = []
+    for prompt in prompts:
+        count = -(-(len(prompt) + extra_tokens) // BLOCK_SIZE)
+        ids.append([next(free) for _ in range(count)])
+    return ids
+
+
+def run_step(model, tokens, computed, block_ids, caches, in_c: bool):
+    """One step's hidden states, with or without the C decoder; and whether it ran in C."""
+    decoder = model.model.cpu_decoder
+    batch = build_paged_batch(tokens, computed, block_ids, BLOCK_SIZE)
+    took = decoder is not None and decoder.takes(
+        model.model.embed_tokens(batch.input_ids), caches, batch.metadata
+    )
+    model.model.cpu_decoder = decoder if in_c else None
+    try:
+        with torch.no_grad():
+            hidden = model(batch.input_ids, batch.positions, caches, batch.metadata)
+    finally:
+        model.model.cpu_decoder = decoder
+    return hidden, took
+
+
+def assert_steps_match(model, config):
+    """Prefill three prompts (Python layers: long queries), then a decode step, then a step
+    of a 6-token chunk beside two decodes: both ways give the same bits."""
+    prompts = prompts_of(config.vocab_size)
+    block_ids = block_ids_of(prompts, extra_tokens=8)
+    caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
+    hidden, took = run_step(model, prompts, [0, 0, 0], block_ids, caches, in_c=True)
+    assert not took, "a 70-token prompt is the prefill path's"
+    steps = [
+        ([p + [7] for p in prompts], [len(p) for p in prompts]),  # decode
+        ([prompts[0] + [7, 8, 9, 10, 11, 12, 13], prompts[1] + [7, 8], prompts[2] + [7, 8]],
+         [len(prompts[0]) + 1, len(prompts[1]) + 1, len(prompts[2]) + 1]),  # a chunk + decodes
+    ]  # fmt: skip
+    for tokens, computed in steps:
+        caches_c = [cache.clone() for cache in caches]
+        in_c, took = run_step(model, tokens, computed, block_ids, caches_c, in_c=True)
+        in_python, _ = run_step(model, tokens, computed, block_ids, caches, in_c=False)
+        assert took
+        assert torch.equal(in_c, in_python)
+        assert all(torch.equal(a, b) for a, b in zip(caches_c, caches, strict=True))
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_the_default_models_gguf_blocks_decode_in_c_as_in_python():
+    model, config = load_packed(resolve_model_path(None), quantization="gguf")
+    assert enable_cpu_decoder(model)
+    assert_steps_match(model, config)
+
+
+@pytest.mark.parametrize("variant", ["llama_mqa_bias", "qwen2_bias"])
+def test_a_float32_model_on_the_float32_kernel_decodes_in_c_as_in_python(tmp_path, variant):
+    model, config = load_packed(build_tiny_model_folder(tmp_path, variant))
+    # The float32 kernel is built on AVX2 without AVX-512; elsewhere oneDNN packs float32
+    # linears, which the driver does not call.
+    assert enable_cpu_decoder(model) == (cpu_f32_matmul.panel_columns() > 0)
+    if model.model.cpu_decoder is not None:
+        assert_steps_match(model, config)
+
+
+def test_a_model_with_qk_norm_keeps_the_python_layers(tmp_path):
+    model, _ = load_packed(build_tiny_model_folder(tmp_path, "qwen3_qk_norm"))
+    assert not enable_cpu_decoder(model)
+    assert model.model.cpu_decoder is None
+
+
+def test_without_the_kernels_nothing_is_enabled(monkeypatch):
+    model, _ = load_packed(resolve_model_path(None), quantization="gguf")
+    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: None)
+    assert not enable_cpu_decoder(model)
