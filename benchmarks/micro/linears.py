@@ -190,9 +190,7 @@ def main() -> None:
         "quantization": args.quantization,
         "num_layers": num_layers,
         "repeats": repeats,
-        "rows": measure(
-            rows_list, num_layers, repeats, torch_dtype(dtype_name), args.quantization
-        ),
+        "rows": measure(rows_list, num_layers, repeats, torch_dtype(dtype_name), args.quantization),
     }
     name = "gguf_linears" if args.quantization else "linears"
     write_results(result, render_markdown(result), args.output_dir, result_name(name, args.quick))

@@ -48,6 +48,7 @@ from core_engine.core.engine_core import start_engine_core
 from core_engine.core.request import Request
 from core_engine.core.sched.scheduler import Scheduler
 from core_engine.frontend.text.tokenizer import load_tokenizer
+from core_engine.kernels.cpu import decode_layers as c_decode
 from core_engine.proto import (
     MessageDecoder,
     MessageEncoder,
@@ -60,7 +61,6 @@ from core_engine.proto.message_pipe import MessagePipe
 from core_engine.worker import model_runner
 from core_engine.worker.host_allocator import keep_freed_memory
 from core_engine.worker.local_executor import LocalExecutor
-from core_engine.kernels.cpu import decode_layers as c_decode
 from core_engine.worker.model_executor import layers
 from core_engine.worker.model_executor.cpu_decoder import CpuDecoderStack
 from core_engine.worker.model_executor.models import llama

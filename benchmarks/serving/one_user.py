@@ -82,7 +82,9 @@ def measure(url: str, args, work_dir: Path, workloads: dict[str, BurstWorkload],
         repeats = rounds if workload.max_concurrency == 1 else 1
         summaries = []
         for round_index in range(repeats):
-            print(f"  vllm bench serve: {workload.describe()} (round {round_index + 1})", flush=True)
+            print(
+                f"  vllm bench serve: {workload.describe()} (round {round_index + 1})", flush=True
+            )
             raw = run_bench_serve(
                 args.peer_python, url, model, tokenizer, workload, work_dir, args.seed + round_index
             )
@@ -124,7 +126,11 @@ def agreement(ours: list[str], theirs: list[str]) -> dict:
         common = len(os.path.commonprefix([a, b]))
         shares.append(common / max(len(a), len(b), 1))
     identical = sum(a == b for a, b in zip(ours, theirs, strict=True))
-    return {"identical": identical, "total": len(ours), "mean_common_prefix": statistics.mean(shares)}
+    return {
+        "identical": identical,
+        "total": len(ours),
+        "mean_common_prefix": statistics.mean(shares),
+    }
 
 
 def run_servers(args, work_dir: Path) -> tuple[dict, dict]:
@@ -226,10 +232,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="llama.cpp's llama-server program (default: the one on PATH; "
                         "none: leave it out)")  # fmt: skip
     parser.add_argument("--skip-vllm", action="store_true", help="leave vllm serve out")
-    parser.add_argument("--peer-python", default=None,
-                        help="vLLM's virtual environment's Python (its client runs from it)")
-    parser.add_argument("--hf-model", type=Path, default=None,
-                        help="the default model as an HF folder (tokenizer, vllm serve)")
+    parser.add_argument(
+        "--peer-python",
+        default=None,
+        help="vLLM's virtual environment's Python (its client runs from it)",
+    )
+    parser.add_argument(
+        "--hf-model",
+        type=Path,
+        default=None,
+        help="the default model as an HF folder (tokenizer, vllm serve)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="each server's CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
@@ -265,16 +278,21 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "dtype": args.dtype,
         "notes": (
-            "llama-server: not found, left out. " if args.llama_server is None else
-            f"llama-server: {args.llama_server}, one slot, the GGUF file as stored. "
-        ) + ("vllm serve: left out." if args.skip_vllm else "vllm serve: the HF folder."),
-        "workloads": {"one user": args.one_user.describe(),
-                      "saturation": args.saturation.describe()},  # fmt: skip
+            "llama-server: not found, left out. "
+            if args.llama_server is None
+            else f"llama-server: {args.llama_server}, one slot, the GGUF file as stored. "
+        )
+        + ("vllm serve: left out." if args.skip_vllm else "vllm serve: the HF folder."),
+        "workloads": {
+            "one user": args.one_user.describe(),
+            "saturation": args.saturation.describe(),
+        },  # fmt: skip
         "rounds": args.rounds,
         "servers": servers,
         "targets": targets(servers),
         "agreement": agreement(texts[CORE_GGUF], texts[LLAMA_SERVER])
-        if LLAMA_SERVER in texts else None,
+        if LLAMA_SERVER in texts
+        else None,
     }
     write_results(result, render_markdown(result), args.output_dir,
                   result_name("one_user", args.quick))  # fmt: skip
