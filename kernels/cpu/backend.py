@@ -291,6 +291,8 @@ def _build_plan(metadata: AttentionMetadata, block_size: int, routing: _Routing)
     one long prompt over every thread. Items cover the step's tokens in order, so one
     query_start array serves them all. A request `routing` does not give the decode kernel
     gets one item that the prefill kernel runs or that no kernel runs (SDPA takes it)."""
+    if metadata.max_query_len == 1 and metadata.slot_mapping.shape[0] == metadata.num_reqs:
+        return _decode_plan(metadata)
     query_limit, takes_prefill = routing.query_limit, routing.takes_prefill
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
@@ -332,4 +334,20 @@ def _build_plan(metadata: AttentionMetadata, block_size: int, routing: _Routing)
         block_table=metadata.block_table.index_select(0, rows).to(torch.int32).contiguous(),
         seq_lens=torch.tensor(item_seq_lens, dtype=torch.int32),
         query_start=torch.tensor(item_starts, dtype=torch.int32),
+    )
+
+
+def _decode_plan(metadata: AttentionMetadata) -> _CpuPlan:
+    """`_build_plan` of a step where every request runs one query token (a decode step): one
+    item per request, all the decode kernel's, the metadata's own int32 tensors as they are
+    (every route takes a one-token query), without the general plan's Python loop."""
+    num_reqs = metadata.num_reqs
+    return _CpuPlan(
+        short_requests=torch.arange(num_reqs, dtype=torch.int32),
+        max_query_x_seq_len=metadata.max_seq_len,
+        prefill_requests=torch.empty(0, dtype=torch.int32),
+        long_requests=[],
+        block_table=metadata.block_table.to(torch.int32).contiguous(),
+        seq_lens=metadata.seq_lens.to(torch.int32).contiguous(),
+        query_start=metadata.query_start_loc.to(torch.int32).contiguous(),
     )

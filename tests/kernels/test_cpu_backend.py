@@ -10,6 +10,7 @@ test_cpu_attention_routing.py; here the kernels run, each where this CPU can run
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import logging
 import os
@@ -431,3 +432,20 @@ def test_a_struct_out_of_step_with_the_c_header_is_caught():
 
 def _layout(fields: list) -> tuple[int, list[int]]:
     return attention_args.layout_of(type("Args", (ctypes.Structure,), {"_fields_": fields}))
+
+
+@pytest.mark.parametrize(
+    "routing", [cpu_backend._Routing(16, False), cpu_backend._Routing(512, True)]
+)
+def test_a_decode_steps_plan_is_the_general_plans(routing):
+    """Every request one query token: the short cut builds the plan the general loop builds
+    (which a metadata claiming longer queries still takes)."""
+    case = make_case([40, 1, 17, 300], [1, 1, 1, 1], 4, 2, 16)
+    metadata = case.metadata
+    decode = cpu_backend._build_plan(metadata, 16, routing)
+    general = cpu_backend._build_plan(dataclasses.replace(metadata, max_query_len=2), 16, routing)
+    assert decode.max_query_x_seq_len == general.max_query_x_seq_len == 300
+    assert decode.long_requests == general.long_requests == []
+    for field in ("short_requests", "prefill_requests", "block_table", "seq_lens", "query_start"):
+        mine, theirs = getattr(decode, field), getattr(general, field)
+        assert mine.dtype == theirs.dtype == torch.int32 and torch.equal(mine, theirs), field
