@@ -146,10 +146,19 @@ class GgufMatmulWeight:
         """Rows `row_ids` (an embedding lookup), float32 [*row_ids.shape, k]; IndexError for an
         id outside [0, num_columns)."""
         ids = row_ids.reshape(-1).to(torch.int64).contiguous()
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_columns:
-            raise IndexError(f"row ids must be in [0, {self.num_columns})")
+        if ids.numel():
+            lowest, highest = torch.aminmax(ids)
+            if not 0 <= int(lowest) <= int(highest) < self.num_columns:
+                raise IndexError(f"row ids must be in [0, {self.num_columns})")
         out = torch.empty((ids.shape[0], self.k), dtype=torch.float32)
         library = cpu_kernel_loader.load()
+        if len(self.segments) == 1:  # every row in one segment: no masks
+            segment = self.segments[0]
+            library.gguf_dequantize_rows(
+                segment.blocks.data_ptr(), segment.type_id, self.k, ids.data_ptr(),
+                ids.shape[0], out.data_ptr(),
+            )  # fmt: skip
+            return out.view(*row_ids.shape, self.k)
         first = 0
         for segment in self.segments:
             inside = (ids >= first) & (ids < first + segment.num_rows)

@@ -17,9 +17,11 @@ from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu.gguf_matmul import GgufMatmulWeight
 from core_engine.proto import SamplingParams
 from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker import worker as worker_module
 from core_engine.worker.model_executor.cpu_linear import model_weight_bytes, pack_linears
 from core_engine.worker.model_executor.layers import ParallelLMHead, VocabParallelEmbedding
 from core_engine.worker.model_executor.model_loader import _check_quantization, load_model
+from core_engine.worker.worker import resolve_dtype
 from tests.helpers.engine_helpers import generate_token_ids
 from tests.worker.test_generation_parity import PROMPTS
 
@@ -82,3 +84,12 @@ def test_settings_it_cannot_run_with_are_refused_naming_them(tmp_path):
         _check_quantization("gguf", gguf_path, torch.device("cuda"))
     _check_quantization("gguf", gguf_path, torch.device("cpu"))
     _check_quantization(None, folder, torch.device("cuda"))
+
+
+def test_the_gguf_kernels_default_dtype_is_float32_on_every_cpu(monkeypatch):
+    """Their inputs and outputs are float32 whatever the CPU; a dtype given is kept."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(worker_module, "default_cpu_dtype", lambda: torch.bfloat16)
+    assert resolve_dtype(None, cpu) == torch.bfloat16  # a CPU with native bf16
+    assert resolve_dtype(None, cpu, "gguf") == torch.float32
+    assert resolve_dtype("bfloat16", cpu, "gguf") == torch.bfloat16

@@ -149,7 +149,12 @@ class LlamaDecoderLayer(nn.Module):
         """The input norm: (normalized, residual stream), the stream starting as the
         embeddings on the first layer (residual None) and adding hidden_states after it."""
         if residual is None:
-            residual = hidden_states.to(residual_dtype(hidden_states.device, hidden_states.dtype))
+            stream_dtype = residual_dtype(hidden_states.device, hidden_states.dtype)
+            if hidden_states.dtype == stream_dtype == torch.float32 and hidden_states.is_cpu:
+                # The fused add + norm onto a zero stream: the stream becomes the embeddings
+                # exactly, and the norm is the C kernel's, as on every later layer.
+                return self.input_layernorm(hidden_states, torch.zeros_like(hidden_states))
+            residual = hidden_states.to(stream_dtype)
             return self.input_layernorm(residual), residual
         return self.input_layernorm(hidden_states, residual)
 
