@@ -64,24 +64,36 @@ def hash_block_tokens(
     return BlockHash(hasher.digest())
 
 
-def block_extra_keys(start_token_index: int, cache_salt: str | None) -> tuple[str, ...] | None:
+def block_extra_keys(
+    start_token_index: int, cache_salt: str | None, lora_name: str | None = None
+) -> tuple[object, ...] | None:
     """The extra keys of the block whose first token is at `start_token_index`: the cache salt
-    for the first block only. Every later block is chained from the first, so one salted block
-    separates the whole prompt from other salts and from unsalted prompts."""
-    if start_token_index == 0 and cache_salt is not None:
-        return (cache_salt,)
-    return None
+    and the LoRA adapter's name (as ("lora", name), so no salt can equal it), for the first
+    block only. Every later block is chained from the first, so one keyed block separates the
+    whole prompt from other salts and adapters and from plain prompts of the base model."""
+    if start_token_index != 0:
+        return None
+    keys: list[object] = []
+    if cache_salt is not None:
+        keys.append(cache_salt)
+    if lora_name is not None:
+        keys.append(("lora", lora_name))
+    return tuple(keys) or None
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, seed: bytes, cache_salt: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: bytes,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
 ) -> list[BlockHash]:
     """The hashes of the full blocks of `token_ids`, chained from `seed`: what an engine core
-    whose NONE_HASH is `seed` computes for the same prompt and `cache_salt`."""
+    whose NONE_HASH is `seed` computes for the same prompt, `cache_salt` and adapter."""
     hashes: list[BlockHash] = []
     parent = seed
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra_keys = block_extra_keys(start, cache_salt)
+        extra_keys = block_extra_keys(start, cache_salt, lora_name)
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes

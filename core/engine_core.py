@@ -30,6 +30,7 @@ from core_engine.proto import (
 )
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.engine_messages import MAX_KV_BLOCK_MAP_CELLS
+from core_engine.proto.parameter_error import ParameterError
 from core_engine.proto.request_fit import check_request_fits
 
 # Runs one step on the workers: `ModelExecutor.execute_model`, or the engine core process's own
@@ -130,6 +131,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         policy=config.policy,
         enable_chunked_prefill=config.enable_chunked_prefill,
         speculative_config=config.speculative_config,
+        max_loras=config.max_loras if config.enable_lora else 0,
     )
     kv_cache_config = KVCacheConfig.for_layers(
         readies[0].layer_sliding_windows,
@@ -147,6 +149,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         min(r.vocab_size for r in readies),
         list(readies[0].eos_token_ids),
         scheduler_config.policy,
+        readies[0].lora_target_shapes if config.enable_lora else None,
     )
     return EngineCore(Scheduler(scheduler_config, kv_cache_config, connector), executor), ready
 
@@ -164,6 +167,12 @@ def make_request(core_request: EngineCoreRequest, ready: EngineReady) -> Request
         ready.vocab_size,
         ready.max_model_len,
     )
+    if core_request.lora_request is not None and ready.lora_target_shapes is None:
+        raise ParameterError(
+            "model",
+            f"LoRA adapter {core_request.lora_request.lora_name!r}: the engine runs without "
+            "enable_lora (start it with --enable-lora)",
+        )
     return Request(
         request_id=core_request.request_id,
         prompt_token_ids=core_request.prompt_token_ids,
@@ -172,6 +181,7 @@ def make_request(core_request: EngineCoreRequest, ready: EngineReady) -> Request
         arrival_time=core_request.arrival_time or None,
         priority=core_request.priority,
         block_size=ready.block_size,
+        lora_request=core_request.lora_request,
     )
 
 

@@ -71,17 +71,21 @@ class InProcessEngine:
         prompt_token_ids: Sequence[Sequence[int]],
         sampling_params: SamplingParams,
         eos_token_ids: Sequence[int] | None = None,
+        lora_requests: Sequence[LoRARequest | None] | None = None,
     ) -> GenerationOutput:
         """Runs the prompts as one continuously batched workload; results in prompt order.
-        `eos_token_ids` default to the model's (`EngineReady`)."""
+        `eos_token_ids` default to the model's (`EngineReady`); `lora_requests`: each prompt's
+        adapter (None: the base model), for an engine with enable_lora."""
         if eos_token_ids is None:
             eos_token_ids = self.ready.eos_token_ids
         for ids in prompt_token_ids:
             check_request_fits(
                 ids, sampling_params, self.ready.vocab_size, self.ready.max_model_len
             )
+        if lora_requests is not None and self.ready.lora_target_shapes is None:
+            raise ValueError("lora_requests need an engine started with enable_lora")
         requests = make_requests(
-            prompt_token_ids, sampling_params, eos_token_ids, self.ready.block_size
+            prompt_token_ids, sampling_params, eos_token_ids, self.ready.block_size, lora_requests
         )
         return run_requests(self.engine_core.scheduler, self.executor, requests)
 
@@ -101,14 +105,24 @@ def make_requests(
     sampling_params: SamplingParams,
     eos_token_ids: Sequence[int],
     block_size: int,
+    lora_requests: Sequence[LoRARequest | None] | None = None,
 ) -> list[Request]:
     """One request per prompt, ids "0", "1", ...; every eos id stops unless ignore_eos."""
     eos_token_id, sampling_params = stop_on_eos(sampling_params, eos_token_ids)
+    if lora_requests is None:
+        lora_requests = [None] * len(prompt_token_ids)
     return [
         Request(
-            str(i), list(ids), sampling_params, eos_token_id=eos_token_id, block_size=block_size
+            str(i),
+            list(ids),
+            sampling_params,
+            eos_token_id=eos_token_id,
+            block_size=block_size,
+            lora_request=lora_request,
         )
-        for i, ids in enumerate(prompt_token_ids)
+        for i, (ids, lora_request) in enumerate(
+            zip(prompt_token_ids, lora_requests, strict=True)
+        )
     ]
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 
 from core_engine.common.block_hash import BlockHash, block_extra_keys, hash_block_tokens
-from core_engine.proto import FinishReason, SamplingParams, TokenLogprobs
+from core_engine.proto import FinishReason, LoRARequest, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,7 +51,8 @@ class Request:
 
     Invariant: `len(block_hashes) == num_tokens // block_size`; hashes are appended as tokens
     arrive, each chained to the previous one, the first keyed by `sampling_params.cache_salt`
-    too (`common.block_hash.block_extra_keys`). `num_computed_tokens` counts tokens whose KV is
+    too, and by the LoRA adapter's name (`common.block_hash.block_extra_keys`), so prefix hits
+    never cross adapters. `num_computed_tokens` counts tokens whose KV is
     in the cache (or scheduled to be written this step).
 
     `spec_token_ids`: draft tokens proposed for the next step (speculative decoding), never
@@ -68,6 +69,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         block_size: int = 16,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -76,6 +78,7 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
         self.block_size = block_size
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
@@ -129,6 +132,15 @@ class Request:
             self._all_token_ids.append(token_id)
         self._update_block_hashes()
 
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
@@ -138,12 +150,13 @@ class Request:
     def _update_block_hashes(self) -> None:
         size = self.block_size
         cache_salt = self.sampling_params.cache_salt
+        lora_name = self.lora_name
         while (len(self.block_hashes) + 1) * size <= self.num_tokens:
             start = len(self.block_hashes) * size
             parent = self.block_hashes[-1] if self.block_hashes else None
             token_ids = self._all_token_ids[start : start + size]
             self.block_hashes.append(
-                hash_block_tokens(parent, token_ids, block_extra_keys(start, cache_salt))
+                hash_block_tokens(parent, token_ids, block_extra_keys(start, cache_salt, lora_name))
             )
 
     def __lt__(self, other: Request) -> bool:

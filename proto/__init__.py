@@ -18,6 +18,7 @@ from core_engine.proto.engine_messages import (
     UtilityRequest,
     UtilityResponse,
 )
+from core_engine.proto.lora_request import LoRARequest, LoRATargetShapes
 from core_engine.proto.sampling_params import SamplingParams
 from core_engine.proto.worker_messages import (
     CachedRequestData,
@@ -48,6 +49,8 @@ __all__ = [
     "KVBlockState",
     "KVCacheEvents",
     "KVCacheReady",
+    "LoRARequest",
+    "LoRATargetShapes",
     "MessageDecodeError",
     "MessageDecoder",
     "MessageEncoder",

@@ -86,6 +86,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_transfer_config: KVTransferConfig | None = None
     kv_offloading_size: float | None = None
     kv_offloading_path: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -146,6 +150,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
         )
         self._check_unchunked_prefill()
+        self._check_lora()
         _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("startup_timeout_s", "step_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
@@ -186,6 +191,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         )
         if transfer is not None and transfer.kv_connector == TCP_CONNECTOR:
             self._check_tcp_connector(transfer)
+
+    def _check_lora(self) -> None:
+        """vLLM's limits: at least one adapter per step, a positive rank, and at least as many
+        adapters kept in host memory as one step runs (`max_cpu_loras` None: `max_loras`)."""
+        _check(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras}")
+        _check(
+            self.max_lora_rank >= 1, f"max_lora_rank must be at least 1, got {self.max_lora_rank}"
+        )
+        _check(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
+        )
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        """Adapters a worker keeps loaded in host memory (least recently used evicted)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def _check_tcp_connector(self, transfer: KVTransferConfig) -> None:
         _check(
@@ -464,6 +486,13 @@ FIELD_HELP = {
     "kv_offloading_path": (
         "folder of a disk tier below the host tier, kept across restarts when "
         "CORE_ENGINE_PREFIX_HASH_SEED fixes the block hash seed"
+    ),
+    "enable_lora": "serve LoRA adapters beside the base model (requests name them in `model`)",
+    "max_loras": "most distinct LoRA adapters in one step's batch (others wait, in order)",
+    "max_lora_rank": "largest LoRA rank an adapter may have",
+    "max_cpu_loras": (
+        "LoRA adapters each worker keeps loaded in host memory, least recently used evicted "
+        "(None: max_loras)"
     ),
     "enforce_eager": (
         "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"

@@ -12,6 +12,7 @@ import enum
 import msgspec
 
 from core_engine.proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.lora_request import LoRARequest, LoRATargetShapes
 from core_engine.proto.sampling_params import SamplingParams
 
 
@@ -28,7 +29,8 @@ class FinishReason(enum.IntEnum):
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A request sent in full once. Token ids only: the frontend tokenizes."""
+    """A request sent in full once. Token ids only: the frontend tokenizes. `lora_request`:
+    the adapter it runs with (None: the base model), already checked by the frontend."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,6 +38,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False):
@@ -155,6 +158,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     kv_offload_stored_bytes: int = 0
     kv_offload_load_s: float = 0.0
     kv_offload_store_s: float = 0.0
+    # With enable_lora: the names of the adapters of running and of waiting requests (vLLM's
+    # lora_requests_info gauge), each name once.
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
 
     def increase_since(self, before: SchedulerStats) -> SchedulerStats:
         """What happened between `before` and this snapshot: these gauges, with every
@@ -248,6 +255,8 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     vocab_size: int
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     policy: str = "fcfs"
+    # With enable_lora: the shapes an adapter must have (rank 0's report); None otherwise.
+    lora_target_shapes: LoRATargetShapes | None = None
 
 
 class UtilityResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -20,22 +20,25 @@ from core_engine.proto.kv_transfer import (
     KVConnectorMetadata,
     KVConnectorOutput,
 )
+from core_engine.proto.lora_request import LoRARequest, LoRATargetShapes
 from core_engine.proto.sampling_params import SamplingParams, StructuredOutputs
 
-WORKER_PROTOCOL_VERSION = 5
+WORKER_PROTOCOL_VERSION = 6
 """Raised whenever a message of this link changes shape (EngineConfig included): a worker on
 another host runs its own copy of the engine, and the core admits only its own version."""
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A request the workers have not seen: sent in full exactly once. `block_ids[g]` are its
-    blocks in KV cache group g (see common.kv_cache_groups; one group for most models)."""
+    blocks in KV cache group g (see common.kv_cache_groups; one group for most models).
+    `lora_request`: the adapter its tokens go through (None: the base model)."""
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[list[int]]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -140,6 +143,8 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     layer_sliding_windows: list[int | None] = msgspec.field(default_factory=list)
     # The KV connector's side on this rank (None without a connector).
     kv_connector_handshake: KVConnectorHandshake | None = None
+    # With enable_lora: the shapes an adapter of this model must have (unsharded).
+    lora_target_shapes: LoRATargetShapes | None = None
 
 
 class InitKVCache(msgspec.Struct, array_like=True, gc=False):

@@ -388,11 +388,40 @@ class Scheduler:
             return 0, False
         return self.connector.get_num_new_matched_tokens(request, num_local)
 
+    def _running_lora_ids(self) -> set[int]:
+        return {r.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
+        """Whether a waiting request's adapter may join the running ones: the running requests
+        never hold more than `max_loras` distinct adapters, so no step batches more."""
+        if not self.config.max_loras or request.lora_request is None:
+            return True
+        if request.lora_int_id in running_loras:
+            return True
+        return len(running_loras) < self.config.max_loras
+
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admits waiting requests in queue order while the budget, `max_num_seqs` and the KV
+        blocks allow. A request whose LoRA adapter would exceed `max_loras` is passed over (it
+        keeps its place at the head of the queue, as in vLLM) and those behind it may start."""
+        skipped: list[Request] = []
+        running_loras = self._running_lora_ids() if self.config.max_loras else set()
+        try:
+            self._admit_waiting(plan, skipped, running_loras)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.prepend_request(request)
+
+    def _admit_waiting(
+        self, plan: _StepPlan, skipped: list[Request], running_loras: set[int]
+    ) -> None:
         while self.waiting and plan.token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek_request()
+            if not self._lora_fits(request, running_loras):
+                skipped.append(self.waiting.pop_request())
+                continue
             computed_blocks, num_local = self._computed_blocks(request)
             num_external, load_async = self._external_computed_tokens(request, num_local)
             num_computed_tokens = num_local + num_external
@@ -421,6 +450,8 @@ class Scheduler:
                 self.external_kv.park(request, num_computed_tokens)
                 continue
             self.running.append(request)
+            if request.lora_request is not None:
+                running_loras.add(request.lora_int_id)
             if request.status == RequestStatus.PREEMPTED:
                 plan.resumed_reqs.append(request)
             else:
@@ -463,6 +494,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=list(plan.req_to_new_blocks[request.request_id].get_block_ids()),
             num_computed_tokens=request.num_computed_tokens,
+            lora_request=request.lora_request,
         )
 
     def _cached_request_data(
@@ -571,7 +603,22 @@ class Scheduler:
                 self.spec_decoding_stats.num_accepted_tokens_per_pos
             ),
             **(self.connector.stats_fields() if self.connector is not None else {}),
+            **self._lora_stats_fields(),
         )
+
+    def _lora_stats_fields(self) -> dict[str, list[str]]:
+        """The adapters of running and of waiting requests, each name once (LoRA on only)."""
+        if not self.config.max_loras:
+            return {}
+        waiting = [*self.waiting, *self.waiting_for_fsm.values()]
+        return {
+            "running_lora_adapters": _lora_names(self.running),
+            "waiting_lora_adapters": _lora_names(waiting),
+        }
+
+
+def _lora_names(requests: list[Request]) -> list[str]:
+    return sorted({r.lora_name for r in requests if r.lora_name is not None})
 
 
 def _nonempty_groups(blocks: KVCacheBlocks) -> list[list[int]]:

@@ -20,6 +20,7 @@ class SchedulerConfig:
     `enable_chunked_prefill` False: a prompt is never split over steps; it waits for a step
     whose remaining budget holds all of it, so the budget must hold max_model_len tokens.
     `speculative_config`: how running requests draft tokens to verify (None: they do not).
+    `max_loras`: most distinct LoRA adapters among running requests (0: LoRA off).
     """
 
     max_num_seqs: int = 256
@@ -32,6 +33,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     speculative_config: SpeculativeConfig | None = None
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from core_engine.core.kv_cache.kv_cache_spec import KVCacheConfig
 from core_engine.core.request import Request
 from core_engine.core.sched.scheduler import Scheduler, SchedulerConfig
-from core_engine.proto import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from core_engine.proto import LoRARequest, ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 BLOCK_SIZE = 4
 
@@ -18,6 +18,7 @@ def make_request(
     priority: int = 0,
     arrival_time: float | None = None,
     eos_token_id: int | None = None,
+    lora_request: LoRARequest | None = None,
     **sampling_kwargs,
 ) -> Request:
     params = SamplingParams(max_tokens=max_tokens, **sampling_kwargs)
@@ -29,6 +30,7 @@ def make_request(
         arrival_time=arrival_time,
         priority=priority,
         block_size=block_size,
+        lora_request=lora_request,
     )
 
 
