@@ -10,6 +10,7 @@ import torch
 
 from core_engine.common.math_utils import cdiv
 from core_engine.proto import SamplingParams
+from core_engine.proto.lora_request import LoRARequest
 from core_engine.worker.block_table import MultiGroupBlockTable
 from core_engine.worker.sample.sampler import RowPenalties, SamplingMetadata
 
@@ -30,6 +31,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter its tokens go through
 
     @property
     def num_tokens(self) -> int:

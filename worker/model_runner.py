@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from core_engine.worker.input_batch import CachedRequestState, InputBatch
 from core_engine.worker.sample.rejection_sampler import RejectionSampler
 from core_engine.worker.sample.sampler import Sampler, SamplingMetadata
 from core_engine.worker.structured_outputs import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from core_engine.worker.lora.lora_manager import LoRAManager
 
 # Prompt positions whose logits are computed at once for prompt logprobs (a bound on the
 # [rows, vocab] float32 tensor a long prompt would otherwise need in one piece).
@@ -97,8 +100,10 @@ class ModelRunner:
         seed: int = 0,
         structured_outputs: StructuredOutputManager | None = None,
         kv_cache_groups: Sequence[KVCacheGroup] = (),
+        lora_manager: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.structured_outputs = structured_outputs
         self.device = device
         self.max_model_len = max_model_len
@@ -133,12 +138,26 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("execute_model called before initialize_kv_cache")
         inputs = self._prepare_inputs(scheduler_output)
-        hidden_states = self.model.forward(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
-        )
+        hidden_states = self._forward(inputs)
         output = self._sample(hidden_states, inputs)
         output.prompt_logprobs = self._prompt_logprobs(hidden_states, inputs)
         return self._report_compiled_grammars(output)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's forward over the step's tokens, each through its request's adapter."""
+        if self.lora_manager is None:
+            return self.model.forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
+            )
+        batch = self.input_batch
+        row_adapters = [self.requests[r].lora_request for r in batch.req_ids[: batch.num_reqs]]
+        self.lora_manager.set_step(row_adapters, inputs.num_scheduled)
+        try:
+            return self.model.forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
+            )
+        finally:
+            self.lora_manager.clear_step()
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> None:
@@ -212,6 +231,7 @@ class ModelRunner:
             block_ids=[list(group_block_ids) for group_block_ids in new_req.block_ids],
             num_computed_tokens=new_req.num_computed_tokens,
             generator=self._make_generator(new_req.sampling_params.seed),
+            lora_request=new_req.lora_request,
         )
         self.requests[new_req.req_id] = state
         self.input_batch.add_request(state)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from core_engine.common.math_utils import cdiv
 from core_engine.proto import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerReady
 from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.lora_request import LoRATargetShapes
 
 NULL_TOKEN_ID = 42
 NULL_VOCAB_SIZE = 32000
@@ -52,6 +53,8 @@ class NullWorker:
         self.req_id_to_state: dict[str, NullRequestState] = {}
         # No KV, so no KV connector (EngineConfig refuses one for the null model).
         self.kv_connector_handshake = None
+        # No linears: with enable_lora, an adapter can target nothing here.
+        self.lora_target_shapes = LoRATargetShapes(0, {}) if config.enable_lora else None
 
     def describe(self, ready: WorkerReady, load_s: float) -> str:
         return f"worker rank {ready.rank}: null model on {ready.device}, {ready.num_gpu_blocks} KV blocks"

@@ -17,6 +17,7 @@ from core_engine.kernels.cuda.warmup import warmup
 from core_engine.proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
 from core_engine.proto.engine_config import DEVICES, EngineConfig
 from core_engine.proto.kv_transfer import KVConnectorHandshake
+from core_engine.proto.lora_request import LoRATargetShapes
 from core_engine.worker.cpu_features import default_cpu_dtype
 from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
 from core_engine.worker.kv_connector.kv_connector_factory import make_kv_connector_worker
@@ -24,6 +25,7 @@ from core_engine.worker.kv_connector.kv_connector_worker import (
     KVConnectorWorker,
     execute_with_connector,
 )
+from core_engine.worker.lora.lora_manager import LoRAManager
 from core_engine.worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
 from core_engine.worker.model_executor.cpu_decoder import enable_cpu_decoder
 from core_engine.worker.model_executor.cpu_linear import model_weight_bytes, pack_linears
@@ -87,6 +89,7 @@ class Worker:
         self.kv_connector: KVConnectorWorker | None = None
         self._max_model_len: int | None = None
         self.decodes_in_c = False  # decode steps run the layers in one C call (cpu_decoder.py)
+        self.lora_manager: LoRAManager | None = None
 
     def load_model(self) -> None:
         """Resolves the model path, loads this rank's weights (on a CPU, linears pre-packed for
@@ -111,6 +114,8 @@ class Worker:
             cpu_kernel_loader.set_enabled(not self.config.enforce_eager)
             pack_linears(self.model)
             self.decodes_in_c = enable_cpu_decoder(self.model)
+        if self.config.enable_lora:
+            self.lora_manager = LoRAManager(self.model, self.model_config, self.config, self.dtype)
         self._max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = self.config.step_token_budget(
             self._default_step_budget, self._max_model_len
@@ -159,6 +164,11 @@ class Worker:
         if self._max_model_len is None:
             raise RuntimeError("max_model_len is known only after load_model()")
         return self._max_model_len
+
+    @property
+    def lora_target_shapes(self) -> LoRATargetShapes | None:
+        """The shapes an adapter's matrices must have (None: LoRA off)."""
+        return self.lora_manager.shapes if self.lora_manager is not None else None
 
     @property
     def vocab_size(self) -> int:
@@ -308,6 +318,7 @@ class Worker:
                 self.model_path, self.vocab_size, self.eos_token_ids
             ),
             kv_cache_groups=self.kv_cache_groups,
+            lora_manager=self.lora_manager,
         )
 
     def _resolve_max_model_len(self) -> int:

@@ -57,4 +57,5 @@ def worker_ready(
         eos_token_ids=list(worker.eos_token_ids),
         layer_sliding_windows=list(worker.layer_sliding_windows),
         kv_connector_handshake=worker.kv_connector_handshake,
+        lora_target_shapes=worker.lora_target_shapes,
     )

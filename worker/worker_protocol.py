@@ -7,6 +7,7 @@ from typing import Protocol
 
 from core_engine.proto import ModelRunnerOutput, SchedulerOutput, WorkerReady
 from core_engine.proto.kv_transfer import KVConnectorHandshake
+from core_engine.proto.lora_request import LoRATargetShapes
 
 
 class WorkerProtocol(Protocol):
@@ -39,6 +40,9 @@ class WorkerProtocol(Protocol):
 
     @property
     def kv_connector_handshake(self) -> KVConnectorHandshake | None: ...
+
+    @property
+    def lora_target_shapes(self) -> LoRATargetShapes | None: ...
 
     def load_model(self) -> None: ...
 

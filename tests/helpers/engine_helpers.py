@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from core_engine.common.model_files import resolve_model_path
 from core_engine.core.in_process_engine import GenerationOutput, InProcessEngine
 from core_engine.frontend.text.tokenizer import load_tokenizer
-from core_engine.proto import SamplingParams
+from core_engine.proto import LoRARequest, SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.local_executor import LocalExecutor
 
@@ -24,10 +24,14 @@ def generate_token_ids(
     *,
     sampling_params: SamplingParams | None = None,
     worker=None,
+    lora_requests: Sequence[LoRARequest | None] | None = None,
 ) -> GenerationOutput:
-    """Runs token-id prompts as one workload (greedy, 32 tokens unless `sampling_params`)."""
+    """Runs token-id prompts as one workload (greedy, 32 tokens unless `sampling_params`),
+    each through its adapter in `lora_requests` (an engine with enable_lora)."""
     sampling_params = sampling_params or SamplingParams(temperature=0.0, max_tokens=32)
-    return in_process_engine(config, worker).generate(prompt_token_ids, sampling_params)
+    return in_process_engine(config, worker).generate(
+        prompt_token_ids, sampling_params, lora_requests=lora_requests
+    )
 
 
 def generate(

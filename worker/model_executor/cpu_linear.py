@@ -31,6 +31,7 @@ from core_engine.kernels.cpu.bf16_matmul import Bf16MatmulWeight
 from core_engine.kernels.cpu.f32_matmul import F32MatmulWeight
 from core_engine.kernels.cpu.gguf_matmul import GgufMatmulWeight, GgufSegment
 from core_engine.kernels.cpu.huge_pages import HugePageArena
+from core_engine.worker.lora.linear_lora import LinearLoRA
 
 
 class LinearKernel(enum.Enum):
@@ -126,6 +127,19 @@ class PackableLinear(nn.Module):
     kernel_weight: Bf16MatmulWeight | F32MatmulWeight | GgufMatmulWeight | None = None
     # The dtype the packed matmul outputs (oneDNN: also computes in); None: the weight's own.
     packed_dtype: torch.dtype | None = None
+    # LoRA adapters' weights beside this linear (worker.lora), with LoRA enabled.
+    lora: LinearLoRA | None = None
+
+    @property
+    def runs_lora(self) -> bool:
+        """Whether some token of the current step goes through an adapter of this linear."""
+        return self.lora is not None and self.lora.step.active
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (this linear's output for x) plus the step's adapters' contributions."""
+        if self.lora is not None and self.lora.step.active:
+            self.lora.add_to(x, y)
+        return y
 
     @property
     def is_packed(self) -> bool:

@@ -289,6 +289,7 @@ class ColumnParallelLinear(PackableLinear):
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
         self.output_size_per_rank = divide(output_size, tp_size, "output_size")
         self.weight = _new_parameter(
             self.output_size_per_rank, input_size, weight_loader=self.weight_loader
@@ -305,7 +306,7 @@ class ColumnParallelLinear(PackableLinear):
         load_rows(param, 0, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.add_lora(x, self.matmul(x, self.bias))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -349,7 +350,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), [..., output_size_per_rank / 2]: one kernel pass where
         `fuses_silu_and_mul`, else this matmul then `SiluAndMul` (same result either way)."""
-        if self.fuses_silu_and_mul:
+        if self.fuses_silu_and_mul and not self.runs_lora:
             return self.kernel_weight.matmul_silu_and_mul(x, self.bias)
         return silu_and_mul(self(x))
 
@@ -427,6 +428,7 @@ class RowParallelLinear(PackableLinear):
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.output_size = output_size
         self.input_size_per_rank = divide(input_size, tp_size, "input_size")
         self.weight = _new_parameter(
             output_size, self.input_size_per_rank, weight_loader=self.weight_loader
@@ -442,7 +444,7 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return tensor_parallel_all_reduce(self.matmul(x, bias), self.tp_size)
+        return tensor_parallel_all_reduce(self.add_lora(x, self.matmul(x, bias)), self.tp_size)
 
 
 class VocabParallelEmbedding(nn.Module):
