@@ -14,6 +14,7 @@ from core_engine.core.executor.executor import Executor, ModelExecutor
 from core_engine.core.kv_cache.kv_block_map import build_kv_block_map
 from core_engine.core.kv_cache.kv_cache_spec import KVCacheConfig
 from core_engine.core.kv_connector.kv_connector_factory import make_kv_connector
+from core_engine.core.lora_adapter_check import LoRAAdapterCheck
 from core_engine.core.request import Request, RequestStatus
 from core_engine.core.sched.scheduler import Scheduler
 from core_engine.core.sched.scheduler_config import SchedulerConfig
@@ -30,7 +31,6 @@ from core_engine.proto import (
 )
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.engine_messages import MAX_KV_BLOCK_MAP_CELLS
-from core_engine.proto.parameter_error import ParameterError
 from core_engine.proto.request_fit import check_request_fits
 
 # Runs one step on the workers: `ModelExecutor.execute_model`, or the engine core process's own
@@ -154,12 +154,17 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
     return EngineCore(Scheduler(scheduler_config, kv_cache_config, connector), executor), ready
 
 
-def make_request(core_request: EngineCoreRequest, ready: EngineReady) -> Request:
+def make_request(
+    core_request: EngineCoreRequest,
+    ready: EngineReady,
+    lora_check: LoRAAdapterCheck | None = None,
+) -> Request:
     """The scheduler's `Request` for a wire request, once it is known to fit the engine
     `ready` describes (`check_request_fits`: the frontend never sends one that does not; a raw
     client might, and the model would fail on it); hashes its full prompt blocks (slow part).
 
-    Raises ParameterError naming the field that does not fit.
+    Raises ParameterError naming the field that does not fit, or the adapter that cannot run
+    (`lora_check`: one that remembers verdicts; None checks afresh).
     """
     check_request_fits(
         core_request.prompt_token_ids,
@@ -167,12 +172,7 @@ def make_request(core_request: EngineCoreRequest, ready: EngineReady) -> Request
         ready.vocab_size,
         ready.max_model_len,
     )
-    if core_request.lora_request is not None and ready.lora_target_shapes is None:
-        raise ParameterError(
-            "model",
-            f"LoRA adapter {core_request.lora_request.lora_name!r}: the engine runs without "
-            "enable_lora (start it with --enable-lora)",
-        )
+    (lora_check or LoRAAdapterCheck(ready.lora_target_shapes)).check(core_request.lora_request)
     return Request(
         request_id=core_request.request_id,
         prompt_token_ids=core_request.prompt_token_ids,

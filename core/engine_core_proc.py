@@ -43,6 +43,7 @@ from core_engine.core.engine_core import (
 from core_engine.core.executor.executor import PollableExecutor, WorkerFailedError
 from core_engine.core.executor.executor_factory import make_executor
 from core_engine.core.kv_cache.kv_cache_events import KVCacheEventLog
+from core_engine.core.lora_adapter_check import LoRAAdapterCheck
 from core_engine.core.request import Request
 from core_engine.core.sched.scheduler import Scheduler
 from core_engine.core.step_trace import StepTrace
@@ -104,6 +105,7 @@ class EngineCoreProc:
         self.engine_core: EngineCore | None = None
         self.kv_event_log: KVCacheEventLog | None = None  # data parallelism only
         self.ready: EngineReady | None = None  # what every client is greeted with
+        self.lora_check: LoRAAdapterCheck | None = None  # set with `ready`
         self.step_trace = StepTrace.from_env()  # CORE_ENGINE_STEP_TRACE: one line per step
 
     def run(self, launched_by_frontend: bool = False) -> int:
@@ -115,6 +117,7 @@ class EngineCoreProc:
         start = time.monotonic()
         try:
             self.ready = self._start_engine()
+            self.lora_check = LoRAAdapterCheck(self.ready.lora_target_shapes)
             elapsed_s = time.monotonic() - start
             logger.info(describe_ready(self.ready, elapsed_s, self.engine_core.scheduler))
             if self.config.speculative_config is not None:
@@ -324,7 +327,7 @@ class EngineCoreProc:
         if not isinstance(message, EngineCoreRequest):
             return message
         try:
-            return make_request(message, self.ready)
+            return make_request(message, self.ready, self.lora_check)
         except Exception as exc:
             logger.warning("rejected request %r: %s", message.request_id, exc)
             self._send_error(message.request_id, f"invalid request: {exc}")

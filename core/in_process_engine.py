@@ -16,9 +16,10 @@ from typing import Protocol
 
 from core_engine.core.engine_core import EngineCore, start_engine_core
 from core_engine.core.executor.executor import Executor, ModelExecutor
+from core_engine.core.lora_adapter_check import LoRAAdapterCheck
 from core_engine.core.request import Request
 from core_engine.core.sched.scheduler import Scheduler
-from core_engine.proto import SamplingParams, SchedulerStats, TokenLogprobs
+from core_engine.proto import LoRARequest, SamplingParams, SchedulerStats, TokenLogprobs
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.request_fit import check_request_fits
 from core_engine.proto.sampling_params import stop_on_eos
@@ -65,6 +66,7 @@ class InProcessEngine:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.executor = executor
         self.engine_core, self.ready = start_engine_core(config, executor)
+        self.lora_check = LoRAAdapterCheck(self.ready.lora_target_shapes)
 
     def generate(
         self,
@@ -82,8 +84,8 @@ class InProcessEngine:
             check_request_fits(
                 ids, sampling_params, self.ready.vocab_size, self.ready.max_model_len
             )
-        if lora_requests is not None and self.ready.lora_target_shapes is None:
-            raise ValueError("lora_requests need an engine started with enable_lora")
+        for lora_request in lora_requests or ():
+            self.lora_check.check(lora_request)
         requests = make_requests(
             prompt_token_ids, sampling_params, eos_token_ids, self.ready.block_size, lora_requests
         )
@@ -120,9 +122,7 @@ def make_requests(
             block_size=block_size,
             lora_request=lora_request,
         )
-        for i, (ids, lora_request) in enumerate(
-            zip(prompt_token_ids, lora_requests, strict=True)
-        )
+        for i, (ids, lora_request) in enumerate(zip(prompt_token_ids, lora_requests, strict=True))
     ]
 
 

@@ -35,8 +35,10 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
 class LoRATargetShapes(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """What an adapter of the served model may hold: for each target module (see
     `LORA_TARGET_MODULES`) its (in_features, out_features) in the unsharded model, the same in
-    every layer, and how many decoder layers there are. The workers report it; the frontend
-    checks a checkpoint against it before a request or a load reaches the engine."""
+    every layer, how many decoder layers there are, and the largest rank (`max_lora_rank`).
+    The workers report it; the frontend checks a checkpoint against it before a request or a
+    load reaches the engine, and the engine core again for clients that skip the frontend."""
 
     num_layers: int
     modules: dict[str, tuple[int, int]]
+    max_rank: int = 16

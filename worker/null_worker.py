@@ -54,7 +54,9 @@ class NullWorker:
         # No KV, so no KV connector (EngineConfig refuses one for the null model).
         self.kv_connector_handshake = None
         # No linears: with enable_lora, an adapter can target nothing here.
-        self.lora_target_shapes = LoRATargetShapes(0, {}) if config.enable_lora else None
+        self.lora_target_shapes = (
+            LoRATargetShapes(0, {}, config.max_lora_rank) if config.enable_lora else None
+        )
 
     def describe(self, ready: WorkerReady, load_s: float) -> str:
         return f"worker rank {ready.rank}: null model on {ready.device}, {ready.num_gpu_blocks} KV blocks"

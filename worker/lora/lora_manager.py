@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 AdapterWeights = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 
-def lora_target_shapes(model_config) -> LoRATargetShapes:
+def lora_target_shapes(model_config, max_rank: int) -> LoRATargetShapes:
     """(in_features, out_features) of every projection an adapter may target, unsharded."""
     hidden, inner = model_config.hidden_size, model_config.intermediate_size
     q_size = model_config.num_attention_heads * model_config.head_dim
@@ -45,6 +45,7 @@ def lora_target_shapes(model_config) -> LoRATargetShapes:
             "up_proj": (hidden, inner),
             "down_proj": (inner, hidden),
         },
+        max_rank=max_rank,
     )
 
 
@@ -55,8 +56,8 @@ class LoRAManager:
     def __init__(
         self, model: nn.Module, model_config, config: EngineConfig, dtype: torch.dtype
     ) -> None:
-        self.shapes = lora_target_shapes(model_config)
         self.max_rank = config.max_lora_rank
+        self.shapes = lora_target_shapes(model_config, self.max_rank)
         self.num_slots = config.max_loras
         self.host_capacity = config.cpu_lora_capacity
         device = next(p.device for p in model.parameters() if p is not None)
