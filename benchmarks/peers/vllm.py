@@ -188,7 +188,12 @@ class VllmOfflinePeer:
 
 
 def vllm_serve_argv(
-    python: str, hf_folder: Path, port: int, dtype: str, served_model_name: str
+    python: str,
+    hf_folder: Path,
+    port: int,
+    dtype: str,
+    served_model_name: str,
+    extra_flags: Sequence[str] = (),
 ) -> list[str]:
     """The OpenAI server that `vllm serve` runs with one API server (`run_server`, same
     flags), started through its module: the `vllm` command itself stops at start-up where the
@@ -199,7 +204,7 @@ def vllm_serve_argv(
         "--dtype", dtype,
         "--max-model-len", str(MAX_MODEL_LEN),
         "--served-model-name", served_model_name,
-        "--disable-log-stats", "--disable-uvicorn-access-log",
+        "--disable-log-stats", "--disable-uvicorn-access-log", *extra_flags,
     ]  # fmt: skip
 
 
@@ -211,11 +216,12 @@ def vllm_serve(
     num_threads: int,
     served_model_name: str,
     log_path: Path,
+    extra_flags: Sequence[str] = (),
 ) -> Iterator[str]:
     """vLLM's OpenAI server on a free local port until the block exits; yields its base URL
     once /health answers (see `http_server`), then stops it and everything it started."""
     port = find_free_port()
-    argv = vllm_serve_argv(python, hf_folder, port, dtype, served_model_name)
+    argv = vllm_serve_argv(python, hf_folder, port, dtype, served_model_name, extra_flags)
     env = vllm_env(vllm_cpu_ids(num_threads))
     with http_server(
         argv, port, "vllm serve", log_path, env=env, cwd=log_path.parent, own_session=True

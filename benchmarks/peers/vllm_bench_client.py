@@ -46,6 +46,9 @@ class BurstWorkload:
     output_len: int
     rate: float  # math.inf: all at once
     max_concurrency: int | None = None
+    # Served model names the requests take in turn (`--lora-modules`, round-robin): LoRA
+    # adapters, or the base model's name among them; empty: every request names `model`.
+    lora_modules: tuple[str, ...] = ()
 
     def describe(self) -> str:
         rate = "rate inf" if math.isinf(self.rate) else f"{self.rate:g} requests/s"
@@ -87,6 +90,8 @@ def bench_serve_argv(
         "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name,
         *(() if workload.max_concurrency is None
           else ("--max-concurrency", str(workload.max_concurrency))),
+        *(() if not workload.lora_modules
+          else ("--lora-modules", *workload.lora_modules, "--lora-assignment", "round-robin")),
     ]  # fmt: skip
 
 

@@ -8,10 +8,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from benchmarks.harness import proc_stats
 from benchmarks.peers.vllm_bench_client import SATURATION, bench_serve_argv, summary
-from benchmarks.serving import one_user
+from benchmarks.serving import lora, one_user
 from benchmarks.serving import vllm_client as serving_vllm_client
 from benchmarks.serving.profile import step_stats
 from core_engine.core.step_trace import StepRecord
@@ -147,3 +150,51 @@ def test_greedy_agreement_counts_identical_completions_and_common_prefixes():
     result = one_user.agreement(["abcd", "same", "xy"], ["abXX", "same", "q"])
     assert result["identical"] == 1 and result["total"] == 3
     assert math.isclose(result["mean_common_prefix"], (0.5 + 1.0 + 0.0) / 3)
+
+
+# ---- the LoRA serving comparison (benchmarks/serving/lora.py) on fake results ----------------
+
+
+def test_the_mixed_workload_names_every_adapter_and_the_base_model_in_turn(tmp_path):
+    mixed = lora.workloads(quick=False)["saturation, 4 adapters + base"]
+    argv = bench_serve_argv("/p", "http://h:9", "base", tmp_path, mixed, tmp_path, "r.json")
+    start = argv.index("--lora-modules") + 1
+    assert argv[start : start + 5] == ["a0", "a1", "a2", "a3", "base"]
+    assert argv[argv.index("--lora-assignment") + 1] == "round-robin"
+    base = lora.workloads(quick=False)["saturation, base"]
+    assert "--lora-modules" not in bench_serve_argv(
+        "/p", "http://h:9", "base", tmp_path, base, tmp_path, "r.json"
+    )
+    flags = lora.lora_flags(Path("/adapters"))
+    assert flags[:5] == ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "16"]
+    assert flags[-1] == "a3=/adapters/a3"
+
+
+def test_the_cost_of_adapters_is_judged_against_the_targets():
+    def server(mixed_tput: float, adapter_tpot: float) -> dict:
+        return {
+            "saturation, base": summary(fake_result(100.0, 300.0, 10.0)),
+            "saturation, 4 adapters + base": summary(fake_result(mixed_tput, 300.0, 10.0)),
+            "batch 1, base": summary(fake_result(50.0, 100.0, 10.0)),
+            "batch 1, adapter a0": summary(fake_result(50.0, 100.0, adapter_tpot)),
+        }
+
+    servers = {lora.CORE: server(90.0, 13.0), lora.VLLM: server(80.0, 11.0)}
+    judged = lora.targets(servers)
+    assert judged["saturation output tok/s, mixed / base"]["ratio"] == pytest.approx(0.9)
+    assert judged["saturation output tok/s, mixed / base"]["met"] is True
+    assert judged["batch 1 TPOT p50, adapter / base"]["ratio"] == pytest.approx(1.3)
+    assert judged["batch 1 TPOT p50, adapter / base"]["met"] is False
+    result = {
+        "machine": {"processor": "cpu", "num_cpus": 2, "memory_gib": 24.0,
+                    "load_average_1m": 0.0, "python": "3", "git_commit": "x",
+                    "date_utc": "now", "cpu_simd": "AVX2"},
+        "client": "vllm bench serve",
+        "threads": 2, "dtype": "float32", "adapters": "a0 (rank 8)", "flags": "--enable-lora",
+        "workloads": {name: w.describe() for name, w in lora.workloads(quick=False).items()},
+        "servers": servers, "targets": judged,
+    }  # fmt: skip
+    markdown = lora.render_markdown(result)
+    assert "| core-serve | 0.90 | 1.30 |" in markdown
+    assert "| saturation, 4 adapters + base | 1.12 | 1.00 |" in markdown
+    assert "AVX2" in markdown and "- batch 1, adapter a0: 8 prompts" in markdown

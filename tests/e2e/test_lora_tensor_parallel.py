@@ -18,7 +18,7 @@ from tests.e2e.test_tensor_parallel import (
     running_engine,
 )
 from tests.helpers.engine_helpers import generate_token_ids
-from tests.helpers.lora_adapters import AdapterSpec, make_peft_adapter
+from tools.lora_adapters import AdapterSpec, make_peft_adapter
 from tools.reference_model import converted_default_model_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

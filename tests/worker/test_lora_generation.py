@@ -17,8 +17,8 @@ from core_engine.proto import LoRARequest, SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.worker.worker import Worker
 from tests.helpers.engine_helpers import generate_token_ids
-from tests.helpers.lora_adapters import AdapterSpec, make_peft_adapter
 from tests.helpers.model_fixtures import hf_greedy
+from tools.lora_adapters import AdapterSpec, make_peft_adapter
 from tools.reference_model import converted_default_model_folder
 
 pytestmark = pytest.mark.slow

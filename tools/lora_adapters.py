@@ -1,5 +1,6 @@
-"""PEFT LoRA adapters of the default model made in the tests: random, non-zero A and B (PEFT
-starts B at zero, which would make every adapter the base model), saved as PEFT saves them."""
+"""PEFT LoRA adapters of a model made on the spot, for the tests and the LoRA benchmark: random,
+non-zero A and B (PEFT starts B at zero, which would make every adapter the base model), saved
+as PEFT saves them. Needs the `test` extra (transformers, peft); nothing is downloaded."""
 
 from __future__ import annotations
 

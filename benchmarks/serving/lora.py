@@ -1,0 +1,258 @@
+"""LoRA serving: what serving four adapters beside the base model costs, on core-serve and on
+`vllm serve --enable-lora`, both measured by vLLM's own client (`vllm bench serve`) in one run.
+
+Four random PEFT adapters of the default model (rank 8 and 16, every projection) are made in a
+temporary folder (tools.lora_adapters) and served by each server with the same flags:
+`--enable-lora --max-loras 4 --max-lora-rank 16 --lora-modules a0=... a1=... a2=... a3=...`.
+Workloads (seeded random token prompts, ignore_eos), each server one at a time:
+- saturation, base model only: 64 prompts, 128 in / 64 out, rate inf;
+- saturation, mixed: the same, requests naming a0, a1, a2, a3 and the base model in turn;
+- batch 1, base model and batch 1 through a0: 8 prompts, 128 in / 128 out, one at a time.
+Ratios per server: mixed / base output tok/s (target >= 0.85 on core-serve), TPOT with an
+adapter / without at batch 1 (target <= 1.2); and core-serve / vllm serve on each workload.
+Results: benchmarks/results/lora[_quick].{json,md}.
+
+    python -m benchmarks.serving.lora [--peer-python VENV/bin/python] [--skip-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from benchmarks.harness.common import (
+    RESULTS_DIR,
+    core_serve,
+    default_hf_folder,
+    default_num_threads,
+    engine_default_dtype,
+    machine_info,
+    machine_line,
+    markdown_table,
+    result_name,
+    write_results,
+)
+from benchmarks.peers.vllm import default_peer_python, vllm_serve, vllm_version
+from benchmarks.peers.vllm_bench_client import BurstWorkload, run_bench_serve, summary
+from tools.lora_adapters import AdapterSpec, make_peft_adapter
+
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTERS = tuple(
+    AdapterSpec(
+        f"a{index}", rank=8 if index % 2 == 0 else 16, target_modules=ALL_MODULES, seed=100 + index
+    )  # fmt: skip
+    for index in range(4)
+)
+MAX_LORA_RANK = 16
+BASE_MODEL_NAME = "base"
+CORE = "core-serve"
+VLLM = "vllm serve"
+WARM_UP = BurstWorkload("warm-up", 4, 16, 2, float("inf"), lora_modules=("a0", "a1", "a2", "a3"))
+
+
+def workloads(quick: bool) -> dict[str, BurstWorkload]:
+    """The four workloads; `quick`: tiny ones for a smoke run."""
+    prompts, input_len, output_len, single = (8, 32, 8, 2) if quick else (64, 128, 64, 8)
+    mixed = (*(spec.name for spec in ADAPTERS), BASE_MODEL_NAME)
+    single_len = 16 if quick else 128
+    return {
+        "saturation, base": BurstWorkload("saturation base", prompts, input_len, output_len,
+                                          float("inf")),
+        "saturation, 4 adapters + base": BurstWorkload(
+            "saturation mixed", prompts, input_len, output_len, float("inf"), lora_modules=mixed
+        ),
+        "batch 1, base": BurstWorkload("batch1 base", single, single_len, single_len,
+                                       float("inf"), max_concurrency=1),
+        "batch 1, adapter a0": BurstWorkload(
+            "batch1 adapter", single, single_len, single_len, float("inf"), max_concurrency=1,
+            lora_modules=("a0",),
+        ),
+    }  # fmt: skip
+
+
+def lora_flags(adapter_dir: Path) -> list[str]:
+    """The same LoRA flags for both servers."""
+    modules = [f"{spec.name}={adapter_dir / spec.name}" for spec in ADAPTERS]
+    return ["--enable-lora", "--max-loras", str(len(ADAPTERS)),
+            "--max-lora-rank", str(MAX_LORA_RANK), "--lora-modules", *modules]  # fmt: skip
+
+
+def measure(url: str, args, work_dir: Path) -> dict:
+    """Every workload against the server at `url`: workload name -> the client's summary."""
+    models = [card["id"] for card in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
+    if BASE_MODEL_NAME not in models:
+        raise RuntimeError(f"the server serves {models}, not {BASE_MODEL_NAME!r}")
+    tokenizer = args.hf_model
+    run_bench_serve(args.peer_python, url, BASE_MODEL_NAME, tokenizer, WARM_UP, work_dir, 99)
+    results = {}
+    for name, workload in args.workloads.items():
+        print(f"  vllm bench serve: {name}: {workload.describe()}", flush=True)
+        raw = run_bench_serve(
+            args.peer_python, url, BASE_MODEL_NAME, tokenizer, workload, work_dir, args.seed
+        )
+        results[name] = summary(raw)
+    return results
+
+
+def run_servers(args, work_dir: Path) -> dict:
+    adapter_dir = work_dir / "adapters"
+    for spec in ADAPTERS:
+        make_peft_adapter(args.hf_model, spec, adapter_dir / spec.name)
+    flags = lora_flags(adapter_dir)
+    results = {}
+    print(f"{CORE} {' '.join(flags)}", flush=True)
+    core_flags = ["--dtype", args.dtype, "--served-model-name", BASE_MODEL_NAME, *flags]
+    with core_serve(core_flags, work_dir / "core-serve.log") as url:
+        results[CORE] = measure(url, args, work_dir)
+    if not args.skip_vllm:
+        print(f"{VLLM} ({args.peer_python}); a minute or two to start", flush=True)
+        with vllm_serve(args.peer_python, args.hf_model, args.dtype, args.threads,
+                        BASE_MODEL_NAME, work_dir / "vllm-serve.log", flags) as url:  # fmt: skip
+            results[VLLM] = measure(url, args, work_dir)
+    return results
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def cost_of_adapters(by_workload: dict) -> dict:
+    """One server's two LoRA ratios: mixed / base output tok/s at saturation, and TPOT with an
+    adapter / without at batch 1."""
+    return {
+        "saturation output tok/s, mixed / base": ratio(
+            by_workload["saturation, 4 adapters + base"]["output_throughput"],
+            by_workload["saturation, base"]["output_throughput"],
+        ),
+        "batch 1 TPOT p50, adapter / base": ratio(
+            by_workload["batch 1, adapter a0"]["median_tpot_ms"],
+            by_workload["batch 1, base"]["median_tpot_ms"],
+        ),
+    }
+
+
+TARGETS = {
+    "saturation output tok/s, mixed / base": (">=", 0.85),
+    "batch 1 TPOT p50, adapter / base": ("<=", 1.2),
+}
+
+
+def targets(servers: dict) -> dict:
+    """core-serve's two LoRA ratios against the issue's targets."""
+    ratios = cost_of_adapters(servers[CORE])
+    judged = {}
+    for name, (sign, bound) in TARGETS.items():
+        value = ratios[name]
+        met = None if value is None else (value >= bound if sign == ">=" else value <= bound)
+        judged[name] = {"ratio": value, "target": f"{sign} {bound}", "met": met}
+    return judged
+
+
+def render_markdown(result: dict) -> str:
+    lines = ["# LoRA serving: four adapters beside the base model", "",
+             machine_line(result["machine"]), "",
+             f"Client: {result['client']}. Threads: {result['threads']} each. "
+             f"dtype: {result['dtype']}. Adapters: {result['adapters']}. "
+             f"Flags (both servers): `{result['flags']}`.", ""]  # fmt: skip
+    lines += [f"- {name}: {description}" for name, description in result["workloads"].items()]
+    lines.append("")
+    servers = result["servers"]
+    rows = []
+    for workload in result["workloads"]:
+        for server, by_workload in servers.items():
+            s = by_workload[workload]
+            rows.append([workload, server, _fmt(s["output_throughput"]),
+                         _fmt(s["median_tpot_ms"], 2), _fmt(s["median_ttft_ms"]),
+                         f"{s['completed']} / {s['failed']}"])  # fmt: skip
+    lines.append(markdown_table(
+        ["workload", "server", "output tok/s", "TPOT p50 ms", "TTFT p50 ms", "completed / failed"],
+        rows,
+    ))  # fmt: skip
+    lines += ["", "## What the adapters cost each server", ""]
+    lines.append(markdown_table(["server", *TARGETS], [
+        [server, *(_fmt(v, 2) for v in cost_of_adapters(by_workload).values())]
+        for server, by_workload in servers.items()
+    ]))  # fmt: skip
+    if VLLM in servers:
+        lines += ["", "## core-serve / vllm serve", ""]
+        lines.append(markdown_table(["workload", "output tok/s", "TPOT p50"], [
+            [w, _fmt(ratio(servers[CORE][w]["output_throughput"],
+                           servers[VLLM][w]["output_throughput"]), 2),
+             _fmt(ratio(servers[CORE][w]["median_tpot_ms"], servers[VLLM][w]["median_tpot_ms"]), 2)]
+            for w in result["workloads"]
+        ]))  # fmt: skip
+    lines += ["", "## Targets (core-serve)", ""]
+    lines.append(markdown_table(["ratio", "measured", "target", "met"], [
+        [name, _fmt(t["ratio"], 2), t["target"], "n/a" if t["met"] is None else str(t["met"])]
+        for name, t in result["targets"].items()
+    ]))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny workloads")
+    parser.add_argument("--skip-vllm", action="store_true", help="leave vllm serve out")
+    parser.add_argument(
+        "--peer-python",
+        default=None,
+        help="vLLM's virtual environment's Python (its client runs from it)",
+    )
+    parser.add_argument(
+        "--hf-model",
+        type=Path,
+        default=None,
+        help="the default model as an HF folder (adapters, tokenizer, vllm serve)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="each server's CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)  # fmt: skip
+    args.peer_python = args.peer_python or default_peer_python()
+    try:
+        args.peer_version = vllm_version(args.peer_python)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.hf_model = args.hf_model or default_hf_folder(None)
+    args.threads = args.threads or default_num_threads()
+    args.dtype = engine_default_dtype("cpu")
+    args.workloads = workloads(args.quick)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by core-serve's workers
+    with tempfile.TemporaryDirectory(prefix="lora-bench-") as folder:
+        servers = run_servers(args, Path(folder))
+        flags = " ".join(lora_flags(Path("ADAPTERS")))
+    result = {
+        "benchmark": "lora",
+        "machine": machine_info(),
+        "client": f"vllm bench serve (vLLM {args.peer_version})",
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "adapters": ", ".join(f"{s.name} (rank {s.rank})" for s in ADAPTERS),
+        "flags": flags,
+        "workloads": {name: w.describe() for name, w in args.workloads.items()},
+        "servers": servers,
+        "targets": targets(servers),
+    }
+    write_results(result, render_markdown(result), args.output_dir,
+                  result_name("lora", args.quick))  # fmt: skip
+    print(render_markdown(result))
+    failed = sum(s["failed"] or 0 for by_workload in servers.values() for s in by_workload.values())
+    if failed:
+        raise SystemExit(f"{failed} requests failed")
+
+
+if __name__ == "__main__":
+    main()
