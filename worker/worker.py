@@ -144,6 +144,11 @@ class Worker:
         dtype = str(self.dtype).removeprefix("torch.")
         quantized = f", {self.config.quantization} weights" if self.config.quantization else ""
         in_c = ", decode layers in one C call" if self.decodes_in_c else ""
+        if self.lora_manager is not None:
+            in_c += (
+                f", LoRA: {self.lora_manager.num_slots} adapter slots of rank "
+                f"{self.lora_manager.max_rank}"
+            )
         weight_gib = model_weight_bytes(self.model) / 2**30
         return (
             f"worker rank {ready.rank}: {self.model_path} ({self.model_config.architecture}) on "

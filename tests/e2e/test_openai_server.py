@@ -1032,7 +1032,9 @@ def test_the_start_up_log_says_what_runs_where_without_gpu_words_on_a_cpu(model_
     worker_line = next(line for line in log.splitlines() if "worker rank 0:" in line)
     assert ".gguf (LlamaForCausalLM) on cpu" in worker_line
     assert re.search(
-        r"threads, loaded in [\d.]+ s; room for a KV cache of [\d.]+ GiB = \d+ blocks", worker_line
+        r"\d+ threads(, decode layers in one C call)?, weights [\d.]+ GiB resident, loaded in "
+        r"[\d.]+ s; room for a KV cache of [\d.]+ GiB = \d+ blocks",
+        worker_line,
     )
     core_line = next(line for line in log.splitlines() if "engine core ready in" in line)
     assert re.search(r"= \d+ tokens, max_model_len 512 \(up to \d+ requests", core_line)
