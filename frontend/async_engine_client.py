@@ -20,6 +20,7 @@ from core_engine.common.model_files import resolve_model_path
 from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
 from core_engine.frontend.core_client_protocol import CoreClient
 from core_engine.frontend.data_parallel_client import DataParallelCoreClient
+from core_engine.frontend.lora_checkpoint_cache import LoRACheckpointCache
 from core_engine.frontend.metrics import EngineMetrics
 from core_engine.frontend.output_processor import OutputProcessor
 from core_engine.frontend.request_output import RequestOutput
@@ -30,6 +31,7 @@ from core_engine.proto import (
     EngineCoreOutput,
     FinishReason,
     KVBlockMap,
+    LoRARequest,
     SamplingParams,
     SchedulerStats,
 )
@@ -87,7 +89,11 @@ class AsyncEngineClient:
         self.tokenizer = tokenizer if tokenizer is not None else load_engine_tokenizer(config)
         # The `model_name` label of the metrics: the served name, else the model path.
         metrics_name = model_name or config.model or "default"
-        self.metrics = EngineMetrics(metrics_name, start_time_s=time.monotonic())
+        self.metrics = EngineMetrics(
+            metrics_name,
+            start_time_s=time.monotonic(),
+            max_loras=config.max_loras if config.enable_lora else None,
+        )
         # Given an address, attach to the core started there (`python -m core_engine.core
         # --frontend-address ADDRESS`); never start a second one.
         launches_cores = config.data_parallel_size > 1 or config.data_parallel_backend == "ray"
@@ -105,10 +111,14 @@ class AsyncEngineClient:
         self._request_id_to_processor: dict[str, OutputProcessor] = {}
         self._background_tasks: set[asyncio.Task] = set()
         self._stopped_reason: str | None = None  # set by stop_serving
+        # Set once the core is ready, if it serves LoRA adapters.
+        self._lora_checkpoints: LoRACheckpointCache | None = None
 
     async def start(self) -> None:
         """Starts (or connects to) the engine core and waits until it is ready."""
         await self._core.start()
+        if (shapes := self._core.ready.lora_target_shapes) is not None:
+            self._lora_checkpoints = LoRACheckpointCache(shapes)
 
     async def __aenter__(self) -> AsyncEngineClient:
         await self.start()
@@ -218,6 +228,23 @@ class AsyncEngineClient:
                 "with --policy priority, or policy='priority')",
             )
 
+    @property
+    def supports_lora(self) -> bool:
+        """Whether the engine serves LoRA adapters (it runs with enable_lora)."""
+        return self._lora_checkpoints is not None
+
+    def check_lora_request(self, lora_request: LoRARequest) -> None:
+        """Refuses an adapter this engine cannot run: ValueError when the engine runs without
+        LoRA, ParameterError (param "lora_request") naming what is wrong with its checkpoint.
+        The checkpoint is read the first time a (lora_int_id, lora_path) is seen, then its
+        verdict is kept: call this on a thread to keep file reads off the event loop."""
+        if self._lora_checkpoints is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r}: the engine runs without LoRA "
+                "adapters; start it with --enable-lora (LLM(enable_lora=True))"
+            )
+        self._lora_checkpoints.check(lora_request)
+
     def generate(
         self,
         prompt: Prompt,
@@ -227,6 +254,7 @@ class AsyncEngineClient:
         stream: bool = True,
         priority: int = 0,
         prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submits one request (text or token ids); see the class contract for the iterator.
 
@@ -234,9 +262,13 @@ class AsyncEngineClient:
         `tokenize_in_thread`), so they are not computed again here, on the event loop.
         `priority`: under the "priority" policy, lower values are scheduled first (and
         preempted last); any other value than 0 is refused under "fcfs" (`check_priority`).
+        `lora_request`: the LoRA adapter the request runs with (None: the base model),
+        checked by `check_lora_request`.
         """
         self._raise_if_not_serving()
         self.check_priority(priority)
+        if lora_request is not None:
+            self.check_lora_request(lora_request)
         params = sampling_params if sampling_params is not None else SamplingParams()
         for field, texts in (("stop", params.stop), ("bad_words", params.bad_words)):
             for index, text in enumerate(texts):
@@ -267,6 +299,7 @@ class AsyncEngineClient:
             prompt_token_ids,
             params,
             self.tokenizer,
+            lora_request=lora_request,
         )
         return self._run(processor, priority, stream)
 

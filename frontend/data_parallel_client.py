@@ -146,7 +146,12 @@ class DataParallelCoreClient:
         self._raise_if_dead()
         if request.request_id in self._request_id_to_placement:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        core = self.router.route(request.prompt_token_ids, request.sampling_params.cache_salt)
+        lora = request.lora_request
+        core = self.router.route(
+            request.prompt_token_ids,
+            request.sampling_params.cache_salt,
+            lora.lora_name if lora is not None else None,
+        )
         load_tokens = len(request.prompt_token_ids)
         try:
             output_queue = self.cores[core].add_request(request)
@@ -236,13 +241,22 @@ class DataParallelCoreClient:
             raise RuntimeError("DataParallelCoreClient.start() has not completed")
 
 
+# SchedulerStats fields that list LoRA adapter names: merged across cores, not summed.
+LORA_ADAPTER_STATS = ("running_lora_adapters", "waiting_lora_adapters")
+
+
 def sum_stats(per_core: list[SchedulerStats]) -> SchedulerStats:
     """The engine's stats from its cores': counters and gauges summed (per-position counters
-    position by position), KV usage averaged."""
+    position by position), KV usage averaged, the LoRA adapter names merged (each name once,
+    in core order)."""
     per_pos = "spec_decode_num_accepted_tokens_per_pos"
-    fields = [name for name in SchedulerStats.__struct_fields__ if name != per_pos]
+    not_summed = (per_pos, *LORA_ADAPTER_STATS)
+    fields = [name for name in SchedulerStats.__struct_fields__ if name not in not_summed]
     total: dict = {name: sum(getattr(stats, name) for stats in per_core) for name in fields}
     total["kv_cache_usage"] = total["kv_cache_usage"] / max(len(per_core), 1)
     per_pos_counts = (getattr(stats, per_pos) for stats in per_core)
     total[per_pos] = [sum(counts) for counts in zip(*per_pos_counts, strict=True)]
+    for name in LORA_ADAPTER_STATS:
+        names = (adapter for stats in per_core for adapter in getattr(stats, name))
+        total[name] = list(dict.fromkeys(names))
     return SchedulerStats(**total)

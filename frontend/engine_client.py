@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from core_engine.frontend.async_engine_client import AsyncEngineClient, Prompt
 from core_engine.frontend.request_output import RequestOutput
-from core_engine.proto import SamplingParams, SchedulerStats
+from core_engine.proto import LoRARequest, SamplingParams, SchedulerStats
 from core_engine.proto.engine_config import EngineConfig
 
 T = TypeVar("T")
@@ -92,10 +92,16 @@ class EngineClient:
         *,
         stream: bool = True,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Validates now (raising `ValueError`), then iterates like `AsyncEngineClient.generate`."""
         outputs = self.engine.generate(
-            prompt, sampling_params, request_id, stream=stream, priority=priority
+            prompt,
+            sampling_params,
+            request_id,
+            stream=stream,
+            priority=priority,
+            lora_request=lora_request,
         )
         return self._iterate(outputs)
 

@@ -5,11 +5,14 @@ Names are vLLM's with our prefix in place of `vllm:` (`core:num_requests_running
 Grafana dashboards work after a prefix change. Latencies and token counters are measured here,
 where requests arrive and tokens come out; queue lengths, KV cache usage, preemptions and prefix
 cache counters come from the core's `SchedulerStats` at scrape time; queue time comes from the
-core with each request's first token.
+core with each request's first token. With LoRA, vLLM's `lora_requests_info` gauge: labels
+`max_lora`, `running_lora_adapters` and `waiting_lora_adapters` (comma-joined adapter names),
+value the Unix time of the snapshot.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -49,13 +52,20 @@ class _LogMark:
 
 
 class EngineMetrics:
-    """One frontend's metrics in their own registry (several clients may share a process)."""
+    """One frontend's metrics in their own registry (several clients may share a process).
 
-    def __init__(self, model_name: str = "", start_time_s: float = 0.0) -> None:
+    `max_loras`: the engine's adapters per step when it serves LoRA adapters (the
+    `lora_requests_info` gauge is exported then only), else None."""
+
+    def __init__(
+        self, model_name: str = "", start_time_s: float = 0.0, max_loras: int | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._scheduler = _SchedulerCollector(model_name)
         self.registry.register(self._scheduler)
+        if max_loras is not None:
+            self.registry.register(_LoRACollector(max_loras, self._scheduler))
         labels = {"model_name": model_name}
 
         def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
@@ -209,6 +219,33 @@ class _SchedulerCollector(Collector):
             for rank, stats in enumerate(self.per_core):
                 metric.add_metric([self.model_name, str(rank)], read(stats))
             yield metric
+
+
+class _LoRACollector(Collector):
+    """vLLM's `lora_requests_info`, from the scheduler collector's last stats: one sample whose
+    labels name the adapters of running and of waiting requests and whose value is the time
+    the snapshot was exported (Unix seconds), as vLLM's `set_to_current_time`."""
+
+    def __init__(self, max_loras: int, scheduler: _SchedulerCollector) -> None:
+        self.max_loras = max_loras
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self.scheduler.stats
+        metric = GaugeMetricFamily(
+            METRIC_PREFIX + "lora_requests_info",
+            "Running stats on LoRA requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        metric.add_metric(
+            [
+                str(self.max_loras),
+                ",".join(stats.running_lora_adapters),
+                ",".join(stats.waiting_lora_adapters),
+            ],
+            time.time(),
+        )
+        yield metric
 
 
 # (family, name, help, value) of each scheduler metric.

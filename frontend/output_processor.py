@@ -20,6 +20,7 @@ from core_engine.proto import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    LoRARequest,
     SamplingParams,
     TokenLogprobs,
 )
@@ -92,7 +93,8 @@ class OutputProcessor:
     interleaving and ignores those of a choice that already finished (e.g. the core's answer
     to an abort after a stop string). A streamed output's text never includes characters that
     could still become part of a stop string; the final output's text is cut before the stop
-    string. The request is finished when every choice is.
+    string. The request is finished when every choice is. `lora_request`: the adapter every
+    choice runs with (None: the base model).
     """
 
     def __init__(
@@ -102,11 +104,14 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         tokenizer: Decoder,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.lora_request = lora_request
         self.core_request_ids = core_request_ids(request_id, sampling_params.n)
         self.error: str | None = None
         self.num_cached_tokens = 0
@@ -146,6 +151,7 @@ class OutputProcessor:
                 eos_token_id=eos_token_id,
                 arrival_time=arrival_time,
                 priority=priority,
+                lora_request=self.lora_request,
             )
             for index, core_id in enumerate(self.core_request_ids)
         ]
@@ -241,6 +247,7 @@ class OutputProcessor:
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,
             kv_transfer_params=self.kv_transfer_params,
+            lora_request=self.lora_request,
         )
 
     def _apply_stop_strings(self, choice: ChoiceState, num_new_chars: int) -> bool:

@@ -86,11 +86,17 @@ class PrefixAwareRouter:
         return len(self.mirrors)
 
     def block_hashes(
-        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
         """The compact hashes of the prompt's full blocks, as its core will cache them for a
-        request with `cache_salt` (`SamplingParams.cache_salt`)."""
-        hashes = prompt_block_hashes(prompt_token_ids, self.block_size, self.seed, cache_salt)
+        request with `cache_salt` (`SamplingParams.cache_salt`) running with the LoRA adapter
+        named `lora_name` (None: the base model)."""
+        hashes = prompt_block_hashes(
+            prompt_token_ids, self.block_size, self.seed, cache_salt, lora_name
+        )
         return [compact_block_hash(block_hash) for block_hash in hashes]
 
     def choose(self, hashes: Sequence[int], num_prompt_tokens: int) -> int:
@@ -105,11 +111,16 @@ class PrefixAwareRouter:
 
         return min(range(self.num_cores), key=cost)
 
-    def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """Chooses the prompt's core and records it there: its blocks (salted by `cache_salt`)
-        as (soon) cached, its tokens as load. Call `finished` with the same core when the
-        request ends."""
-        hashes = self.block_hashes(prompt_token_ids, cache_salt)
+    def route(
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> int:
+        """Chooses the prompt's core and records it there: its blocks (keyed by `cache_salt`
+        and the LoRA adapter's name) as (soon) cached, its tokens as load. Call `finished` with
+        the same core when the request ends."""
+        hashes = self.block_hashes(prompt_token_ids, cache_salt, lora_name)
         core = self.choose(hashes, len(prompt_token_ids))
         self.mirrors[core].add(hashes)
         self.load_tokens[core] += len(prompt_token_ids)

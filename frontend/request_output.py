@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from core_engine.proto import TokenLogprobs
+from core_engine.proto import LoRARequest, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -40,6 +40,7 @@ class RequestOutput:
     `error` is set when the engine failed the request (its choices finish with "error").
     `prompt_logprobs` (when asked) has one entry per prompt token, None for the first (nothing
     predicts it); it arrives with the first tokens and stays on every later output.
+    `lora_request`: the LoRA adapter the request ran with (None: the base model).
     """
 
     request_id: str
@@ -54,6 +55,7 @@ class RequestOutput:
     # Set on the final output of a request a prefill instance holds KV for (a JSON object:
     # where a decode instance pulls it from; `proto.kv_transfer_params`).
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,11 @@ fails the same way ends with such an error event before `data: [DONE]`.
 A streaming client that disconnects has its requests aborted, which frees their KV blocks.
 `priority` (both endpoints) orders requests under `--policy priority` (lower first); any value
 but 0 is a 400 under fcfs.
+LoRA adapters (`--enable-lora`): a request whose `model` names a loaded adapter runs with it and
+its response carries the adapter's name; /v1/models lists every adapter after the base model
+(`parent` the base model's name, `root` the adapter's path). Adapters come from `--lora-modules`
+(checked once the engine is ready: a bad one stops the start-up, as a bad setting does) and,
+when runtime updating is allowed, from vLLM's load and unload routes (`frontend.openai.lora_routes`).
 How the app is run (port, signals, engine death) is `frontend.openai.http_server`'s; the
 completions and chat handlers are `frontend.openai.completions` and `frontend.openai.chat`.
 """
@@ -38,11 +43,14 @@ from core_engine.common.config_error import ConfigError
 from core_engine.frontend.async_engine_client import AsyncEngineClient, InvalidPromptError
 from core_engine.frontend.core_client import EngineCoreNotFoundError, EngineDeadError
 from core_engine.frontend.data_parallel_client import sum_stats
+from core_engine.frontend.lora_adapter_registry import LoRAAdapterRegistry
 from core_engine.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from core_engine.frontend.openai.api_error import APIError, add_error_handlers
 from core_engine.frontend.openai.body_limit import BodySizeLimit
 from core_engine.frontend.openai.chat import create_chat_completion
 from core_engine.frontend.openai.completions import create_completion
+from core_engine.frontend.openai.lora_modules import LoRAModulePath
+from core_engine.frontend.openai.lora_routes import add_lora_adapter_routes
 from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
 from core_engine.frontend.openai.protocol.completions import CompletionRequest
 from core_engine.frontend.openai.protocol.models import ModelCard, ModelList, VersionResponse
@@ -52,6 +60,7 @@ from core_engine.frontend.openai.protocol.tokenize import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from core_engine.frontend.openai.served_models import ServedModel, ServedModels
 from core_engine.frontend.openai.server_settings import ServerSettings
 from core_engine.frontend.openai.web_ui import add_web_ui_routes
 from core_engine.proto import SchedulerStats
@@ -68,18 +77,24 @@ def build_app(
 ) -> FastAPI:
     """The app; its lifespan starts the engine (or connects to `address`) and shuts it down.
 
-    `app.state.engine` is the `AsyncEngineClient` once it is ready. Setting the event
+    `app.state.engine` is the `AsyncEngineClient` once it is ready, with the `--lora-modules`
+    adapters loaded (`app.state.lora_adapters`). Setting the event
     `app.state.stop_requested` during start-up abandons it (the core is stopped, and
     `app.state.engine` stays None) instead of waiting for the model to load. When the engine
-    cannot start (a setting it cannot run with, no core connecting to `address`, a core that
-    died starting), `app.state.start_failure` says why and the engine stays None.
+    cannot start (a setting it cannot run with, a bad `--lora-modules` adapter, no core
+    connecting to `address`, a core that died starting), `app.state.start_failure` says why
+    and the engine stays None.
     """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = AsyncEngineClient(engine_config, address, model_name=settings.served_model_name)
+        lora_adapters = LoRAAdapterRegistry(engine.check_lora_request, settings.served_model_names)
+        app.state.lora_adapters = lora_adapters
         try:
             started = await _start_unless_stopped(engine, app.state.stop_requested)
+            if started:
+                await _load_lora_modules(lora_adapters, settings.lora_modules)
         except ConfigError as exc:  # the message names the setting: no traceback
             await engine.shutdown()
             app.state.start_failure = StartFailure(str(exc), is_config_error=True)
@@ -97,6 +112,7 @@ def build_app(
             logger.info(
                 "serving %s (max_model_len=%d)", settings.served_model_name, engine.max_model_len
             )
+            _log_lora_adapters(engine, lora_adapters, settings)
             if settings.log_stats_interval_s is not None:
                 stats_task = asyncio.create_task(_log_stats(engine, settings.log_stats_interval_s))
         try:
@@ -110,12 +126,15 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_request_body_bytes)
     app.state.settings = settings
     app.state.engine = None
+    app.state.lora_adapters = None  # a LoRAAdapterRegistry once the lifespan starts
     app.state.start_failure = None  # a StartFailure when the engine never started
     app.state.stop_requested = asyncio.Event()
     add_error_handlers(app)
     _add_info_routes(app, settings)
     _add_token_routes(app, settings)
     _add_generation_routes(app, settings)
+    if settings.allow_runtime_lora_updating:
+        add_lora_adapter_routes(app, _api_key_checker(settings.api_key))
     add_web_ui_routes(app, settings, _api_key_checker(settings.api_key))
     return app
 
@@ -157,6 +176,32 @@ async def _run_until(work: Awaitable[T], trigger: Awaitable[object]) -> asyncio.
     return work_future
 
 
+async def _load_lora_modules(
+    lora_adapters: LoRAAdapterRegistry, lora_modules: tuple[LoRAModulePath, ...]
+) -> None:
+    """Loads the `--lora-modules` adapters, their files read on a thread; ConfigError naming
+    the flag's value and what is wrong with it for the first bad one."""
+    for module in lora_modules:
+        try:
+            await asyncio.to_thread(
+                lora_adapters.load, module.name, module.path, module.base_model_name
+            )
+        except ValueError as exc:
+            raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from exc
+
+
+def _log_lora_adapters(
+    engine: AsyncEngineClient, lora_adapters: LoRAAdapterRegistry, settings: ServerSettings
+) -> None:
+    """One line naming the adapters served, once the engine is ready (none: no line, unless
+    adapters may still be loaded)."""
+    if lora_adapters:
+        described = ", ".join(f"{a.name} ({a.path})" for a in lora_adapters.adapters)
+        logger.info("LoRA adapters served: %s", described)
+    elif engine.supports_lora and settings.allow_runtime_lora_updating:
+        logger.info("serving no LoRA adapters yet (load them with POST /v1/load_lora_adapter)")
+
+
 async def _log_stats(engine: AsyncEngineClient, interval_s: float) -> None:
     """Logs throughput, queues, KV usage and prefix hit rate every `interval_s`."""
     while True:
@@ -193,15 +238,13 @@ def _add_info_routes(app: FastAPI, settings: ServerSettings) -> None:
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models(request: Request) -> ModelList:
         max_model_len = _engine(request).max_model_len
-        cards = [
-            ModelCard(id=name, max_model_len=max_model_len) for name in settings.served_model_names
-        ]
-        return ModelList(data=cards)
+        served_models = ServedModels(settings.served_model_names, _lora_adapters(request))
+        return ModelList(data=served_models.cards(max_model_len))
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
     async def model(model_id: str, request: Request) -> ModelCard:
-        _check_model(model_id, settings)
-        return ModelCard(id=model_id, max_model_len=_engine(request).max_model_len)
+        served_models = ServedModels(settings.served_model_names, _lora_adapters(request))
+        return served_models.card(model_id, _engine(request).max_model_len)
 
     @app.get("/version")
     async def version() -> VersionResponse:
@@ -214,7 +257,8 @@ def _add_token_routes(app: FastAPI, settings: ServerSettings) -> None:
 
     @app.post("/tokenize", dependencies=[Depends(check_api_key)])
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-        _check_model(body.model, settings)
+        # An adapter tokenizes as its base model does.
+        _check_model(body.model, settings, _lora_adapters(request))
         engine = _engine(request)
         try:
             if body.messages is not None:
@@ -234,7 +278,7 @@ def _add_token_routes(app: FastAPI, settings: ServerSettings) -> None:
 
     @app.post("/detokenize", dependencies=[Depends(check_api_key)])
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-        _check_model(body.model, settings)
+        _check_model(body.model, settings, _lora_adapters(request))
         engine = _engine(request)
         outside = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
         if outside:
@@ -250,19 +294,19 @@ def _add_generation_routes(app: FastAPI, settings: ServerSettings) -> None:
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)], response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | BaseModel:
-        _check_model(body.model, settings)
+        served = _check_model(body.model, settings, _lora_adapters(request))
         engine = _engine(request)
-        return await _until_disconnected(
-            request, create_completion(engine, body, settings.served_model_name)
-        )
+        return await _until_disconnected(request, create_completion(engine, body, served))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)], response_model=None)
     async def chat_completions(
         body: ChatCompletionRequest, request: Request
     ) -> Response | BaseModel:
-        _check_model(body.model, settings)
+        served = _check_model(body.model, settings, _lora_adapters(request))
         engine = _engine(request)
-        return await _until_disconnected(request, create_chat_completion(engine, body, settings))
+        return await _until_disconnected(
+            request, create_chat_completion(engine, body, settings, served)
+        )
 
 
 async def _until_disconnected(
@@ -281,17 +325,6 @@ async def _until_disconnected(
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _check_model(model: str | None, settings: ServerSettings) -> None:
-    if model is not None and model not in settings.served_model_names:
-        served = ", ".join(f"`{name}`" for name in settings.served_model_names)
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist; this server serves {served}",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def _api_key_checker(api_key: str | None) -> Any:
@@ -313,6 +346,18 @@ def _api_key_checker(api_key: str | None) -> Any:
 
 def _engine(request: Request) -> AsyncEngineClient:
     return request.app.state.engine
+
+
+def _lora_adapters(request: Request) -> LoRAAdapterRegistry:
+    return request.app.state.lora_adapters
+
+
+def _check_model(
+    model: str | None, settings: ServerSettings, lora_adapters: LoRAAdapterRegistry | None = None
+) -> ServedModel:
+    """What `model` names: the base model or one of `lora_adapters`; a 404 naming everything
+    served otherwise."""
+    return ServedModels(settings.served_model_names, lora_adapters).resolve(model)
 
 
 def package_version() -> str:

@@ -40,6 +40,7 @@ from core_engine.frontend.openai.protocol.chat import (
     DeltaMessage,
 )
 from core_engine.frontend.openai.protocol.tools import DeltaFunctionCall, DeltaToolCall
+from core_engine.frontend.openai.served_models import ServedModel
 from core_engine.frontend.openai.server_settings import ServerSettings
 from core_engine.frontend.openai.sse import SSE_DONE, sse, sse_error
 from core_engine.frontend.openai.tool_calls import ToolChoiceError, ToolPlan, plan_tools
@@ -48,13 +49,25 @@ from core_engine.proto import SamplingParams
 
 
 async def create_chat_completion(
-    engine: AsyncEngineClient, body: ChatCompletionRequest, settings: ServerSettings
+    engine: AsyncEngineClient,
+    body: ChatCompletionRequest,
+    settings: ServerSettings,
+    served: ServedModel,
 ) -> Response | BaseModel:
+    """`served`: the base model or the LoRA adapter the body's `model` names."""
     plan = _tool_plan(engine, body, settings)
     params = await _chat_sampling_params(engine, body, plan)
     prompt_token_ids = await _chat_prompt_token_ids(engine, body, plan)
-    header = ResponseHeader.new("chatcmpl", settings.served_model_name)
-    stream = submit(engine, body, prompt_token_ids, params, header.id, "messages")
+    header = ResponseHeader.new("chatcmpl", served.name)
+    stream = submit(
+        engine,
+        body,
+        prompt_token_ids,
+        params,
+        header.id,
+        "messages",
+        lora_request=served.lora_request,
+    )
     if body.stream:
         events = _chat_events(engine, body, plan, stream, header)
         return StreamingResponse(events, media_type="text/event-stream")

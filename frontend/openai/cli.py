@@ -3,6 +3,7 @@
 core-serve                                  # the default SmolLM2-135M-Instruct GGUF
 core-serve null --port 8001                 # the model-free null worker
 core-serve /models/Qwen2-0.5B --max-num-seqs 64 --api-key secret   # or --model PATH
+core-serve /models/Qwen2-0.5B --enable-lora --lora-modules sql=/adapters/sql   # model "sql"
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from core_engine.frontend.openai.http_server import PortInUseError, serve
+from core_engine.frontend.openai.lora_modules import LoRAModulePath, parse_lora_module
 from core_engine.frontend.openai.server_settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ServerSettings,
@@ -25,6 +27,8 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_HOST = "0.0.0.0"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "CORE_ENGINE_API_KEY"
+# vLLM's switch for the runtime LoRA routes: "1" or "true" (any case) turns them on.
+RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 LOG_STATS_INTERVAL_S = 10.0
 
 
@@ -93,6 +97,21 @@ def make_parser() -> argparse.ArgumentParser:
         help="do not serve the chat and engine page at / (GET /engine/state stays)",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="MODULE",
+        help="LoRA adapters to serve (needs --enable-lora), each name=path or a JSON object "
+        '{"name": ..., "path": ..., "base_model_name": ...}; clients send the name as `model`',
+    )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
+        f"--enable-lora; also turned on by ${RUNTIME_LORA_UPDATING_ENV}=1, as in vLLM)",
+    )
+    parser.add_argument(
         "--disable-log-stats",
         action="store_true",
         help=f"do not log throughput and cache stats every {LOG_STATS_INTERVAL_S:.0f} s",
@@ -133,6 +152,7 @@ def parse_args(
             "--data-parallel-backend ray has Ray place the engine cores; --frontend-address "
             "attaches to one core started separately"
         )
+    lora_modules = _lora_modules(parser, args, engine_config)
     settings = ServerSettings(
         served_model_names=tuple(
             args.served_model_name or [engine_config.model or DEFAULT_SERVED_MODEL_NAME]
@@ -142,8 +162,43 @@ def parse_args(
         tool_call_parser=args.tool_call_parser,
         max_request_body_bytes=args.max_request_body_bytes,
         enable_web_ui=not args.disable_web_ui,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=(
+            args.allow_runtime_lora_updating or runtime_lora_updating_from_env()
+        ),
     )
     return engine_config, settings, args
+
+
+def runtime_lora_updating_from_env() -> bool:
+    """vLLM's rule for its switch: "1" or "true", any case, around spaces."""
+    return os.environ.get(RUNTIME_LORA_UPDATING_ENV, "0").strip().lower() in ("1", "true")
+
+
+def _lora_modules(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, engine_config: EngineConfig
+) -> tuple[LoRAModulePath, ...]:
+    """The --lora-modules values; a usage error for a malformed one, a name given twice, or
+    LoRA flags without --enable-lora."""
+    if not engine_config.enable_lora:
+        for flag, given in (
+            ("--lora-modules", bool(args.lora_modules)),
+            ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating),
+        ):
+            if given:
+                parser.error(
+                    f"{flag} needs --enable-lora (without it the engine serves no adapters)"
+                )
+    modules = []
+    for text in args.lora_modules:
+        try:
+            modules.append(parse_lora_module(text))
+        except ValueError as exc:
+            parser.error(f"--lora-modules: {exc}")
+    names = [module.name for module in modules]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        parser.error(f"--lora-modules names {', '.join(repeated)} more than once")
+    return tuple(modules)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -37,20 +37,31 @@ from core_engine.frontend.openai.protocol.completions import (
     CompletionRequest,
     CompletionResponse,
 )
+from core_engine.frontend.openai.served_models import ServedModel
 from core_engine.frontend.openai.sse import SSE_DONE, sse, sse_error
 from core_engine.frontend.request_output import RequestOutput
 
 
 async def create_completion(
-    engine: AsyncEngineClient, body: CompletionRequest, model_name: str
+    engine: AsyncEngineClient, body: CompletionRequest, served: ServedModel
 ) -> Response | BaseModel:
+    """`served`: the base model or the LoRA adapter the body's `model` names."""
     params = sampling_params(body)
     await check_output_constraint(engine, params, body.structured_outputs_field()[1])
-    header = ResponseHeader.new("cmpl", model_name)
+    header = ResponseHeader.new("cmpl", served.name)
     prompts = body.prompts()
     token_ids = [await _tokenize(engine, prompt) for prompt in prompts]
     streams = [
-        submit(engine, body, prompt, params, f"{header.id}-{index}", "prompt", ids)
+        submit(
+            engine,
+            body,
+            prompt,
+            params,
+            f"{header.id}-{index}",
+            "prompt",
+            ids,
+            lora_request=served.lora_request,
+        )
         for index, (prompt, ids) in enumerate(zip(prompts, token_ids, strict=True))
     ]
     if body.stream:

@@ -14,12 +14,13 @@ from core_engine.frontend.async_engine_client import (
     ServiceStoppedError,
 )
 from core_engine.frontend.core_client import EngineDeadError
+from core_engine.frontend.lora_checkpoint_cache import LORA_REQUEST_PARAM
 from core_engine.frontend.openai.api_error import APIError, unavailable_error
 from core_engine.frontend.openai.protocol.base import UsageInfo
 from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
 from core_engine.frontend.openai.protocol.completions import CompletionRequest
 from core_engine.frontend.request_output import RequestOutput
-from core_engine.proto import SamplingParams
+from core_engine.proto import LoRARequest, SamplingParams
 from core_engine.proto.parameter_error import ParameterError
 
 
@@ -53,9 +54,12 @@ def submit(
     request_id: str,
     prompt_param: str,
     prompt_token_ids: list[int] | None = None,
+    *,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[RequestOutput]:
-    """Validates and registers one request of `body` (streamed or not, at its priority); maps
-    its refusals to 400 and a dead engine to 503."""
+    """Validates and registers one request of `body` (streamed or not, at its priority, with
+    the LoRA adapter its `model` names); maps its refusals to 400 (an adapter's to `model`)
+    and a dead engine to 503."""
     try:
         return engine.generate(
             prompt,
@@ -64,11 +68,13 @@ def submit(
             stream=body.stream,
             priority=body.priority,
             prompt_token_ids=prompt_token_ids,
+            lora_request=lora_request,
         )
     except (EngineDeadError, ServiceStoppedError) as exc:
         raise unavailable_error(exc) from exc
     except InvalidPromptError as exc:
-        param = prompt_param if exc.param == "prompt" else exc.param
+        body_param = {"prompt": prompt_param, LORA_REQUEST_PARAM: "model"}
+        param = body_param.get(exc.param, exc.param)
         raise APIError(400, str(exc), param=param) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core_engine.frontend.openai.lora_modules import LoRAModulePath
+
 # Larger bodies get a 413 before they are read: a whole-context prompt as JSON token ids fits
 # many times over.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
@@ -12,7 +14,10 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 @dataclass(slots=True, frozen=True)
 class ServerSettings:
     """How the server presents the engine. `served_model_names`: every name a request may give
-    as `model` (responses carry the first). `log_stats_interval_s` None disables the stats log."""
+    as `model` (responses carry the first). `log_stats_interval_s` None disables the stats log.
+    `lora_modules`: the LoRA adapters loaded once the engine is ready (a bad one stops the
+    start-up); `allow_runtime_lora_updating`: serve POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter (404 otherwise, as routes that do not exist)."""
 
     served_model_names: tuple[str, ...]
     api_key: str | None = None
@@ -20,6 +25,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # reads tool calls back for tool_choice "auto"
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     enable_web_ui: bool = True  # the page at /; GET /engine/state is served either way
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
