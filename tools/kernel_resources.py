@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core_engine.kernels.cuda import launch_config as lc
+from core_engine.kernels.cuda import lora_launch
 from core_engine.kernels.cuda.module_loader import NVRTC_OPTIONS, load_source
 from core_engine.kernels.cuda.occupancy import (
     DEFAULT_SHARED_BYTES,
@@ -150,7 +151,27 @@ def enumerate_configs(
                         dynamic_shared_bytes=0,
                     )
                 )
+        _add_lora(add, dtype)
     return sorted(found.values(), key=_config_order)
+
+
+def _add_lora(add, dtype: str) -> None:
+    """The LoRA shrink and expand instances of `dtype` (their launch shape is fixed)."""
+    launch = lora_launch.LoRALaunch.of(1, 16, 1, DTYPE_BYTES[dtype], 0)
+    for kind, name, block in (
+        ("lora_shrink", lora_launch.shrink_kernel_name(dtype), launch.shrink_block),
+        ("lora_expand", lora_launch.expand_kernel_name(dtype), launch.expand_block),
+    ):
+        add(
+            KernelConfig(
+                kind=kind,
+                source_name=lora_launch.SOURCE_NAME,
+                name_expression=name,
+                threads_per_cta=math.prod(block),
+                dynamic_shared_bytes=0,
+                dtype_name=dtype,
+            )
+        )
 
 
 def _add_decode(add, dtype: str, head_dim: int, group: int, shape: dict) -> None:
@@ -187,7 +208,16 @@ def _add_decode(add, dtype: str, head_dim: int, group: int, shape: dict) -> None
         )
 
 
-KIND_ORDER = ("decode", "decode_tc", "prefill", "prefill_tc", "merge", "reshape_and_cache")
+KIND_ORDER = (
+    "decode",
+    "decode_tc",
+    "prefill",
+    "prefill_tc",
+    "merge",
+    "reshape_and_cache",
+    "lora_shrink",
+    "lora_expand",
+)
 
 
 def _config_order(config: KernelConfig) -> tuple:

@@ -5,7 +5,8 @@ One shared library holds them all: paged attention (`paged_attention.c`, and
 elementwise ops of a decoder layer (`fused_ops.c`), the bf16 matmul of a bf16
 model's linears and LM head (`bf16_matmul.c`), the float32 matmul of a float32 model's
 on CPUs without AVX-512 (`f32_matmul.c`), the matmul of weights kept as GGUF blocks
-(`gguf_matmul.c`) and a decoder stack's layers in one call (`decode_layers.c`). It is
+(`gguf_matmul.c`), a decoder stack's layers in one call (`decode_layers.c`) and the
+batched LoRA shrink+expand of the adapters' tokens (`lora_shrink_expand.c`). It is
 compiled with `-march=native`,
 so it is cached under a key made of the sources' text, the compile command, the compiler's
 version and this CPU's model and flags:
@@ -43,6 +44,7 @@ SOURCES = tuple(
         "f32_matmul.c",
         "gguf_matmul.c",
         "decode_layers.c",
+        "lora_shrink_expand.c",
     )
 )
 HEADERS = (
@@ -239,6 +241,13 @@ def _declare(library: ctypes.CDLL) -> None:
     _signature(library.decode_layers_layout, [pointer, i32], i64)
     # blocks, type, k, row_ids, num_rows, out
     _signature(library.gguf_dequantize_rows, [pointer, i32, i64, pointer, i64, pointer])
+    _signature(library.lora_shrink_expand_vector_floats, [], ctypes.c_int)
+    # x, y, lora_a, lora_b, token_slots, bf16, tokens, in, out, width, slots, num_threads
+    _signature(
+        library.lora_shrink_expand,
+        [pointer, pointer, pointer, pointer, pointer, i32, i64, i64, i64, i64, i64, i32],
+        ctypes.c_int,
+    )
 
 
 def _signature(function, argtypes: list, restype=None) -> None:

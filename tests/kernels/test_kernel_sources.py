@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from core_engine.kernels.cuda import launch_config as lc
+from core_engine.kernels.cuda import lora_launch
 from core_engine.kernels.cuda.module_loader import KERNEL_DIR, NVRTC_OPTIONS, load_source
 
 SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
@@ -52,6 +53,11 @@ NAME_EXPRESSIONS = {
     ],
     "merge_attention_states.cu": [lc.merge_kernel_name(d) for d in DTYPES],
     "reshape_and_cache.cu": [lc.CACHE_WRITE_KERNEL_NAME],
+    lora_launch.SOURCE_NAME: [
+        name(d)
+        for d in DTYPES
+        for name in (lora_launch.shrink_kernel_name, lora_launch.expand_kernel_name)
+    ],
 }
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
