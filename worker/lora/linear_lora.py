@@ -1,7 +1,9 @@
 """`LinearLoRA`: the adapters of one base linear, stacked in slots, added to its output.
 
-vLLM's punica shape, in torch: per slot in use, shrink (x A^T, [T, slices * rank]) then expand
-(times B^T into the output rows), onto only the rows of the tokens that use the slot. A linear
+vLLM's punica shape: per slot in use, shrink (x A^T, [T, slices * rank]) then expand (times B^T
+into the output rows), onto only the rows of the tokens that use the slot; every slot in one
+kernel call (`kernels/cpu/lora_shrink_expand.c`, `kernels/cuda/lora_shrink_expand.cu`), or
+in torch where no kernel runs or one adapter's whole prompt is one large matmul. A linear
 that fuses several projections (qkv, gate_up) keeps their A matrices side by side ([slices *
 rank, in]) and their B matrices block-diagonal ([out, slices * rank]), so one shrink and one
 expand serve every projection. Ranks below `max_lora_rank` and projections an adapter does not
@@ -15,7 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core_engine.kernels.cpu import lora_shrink_expand as cpu_lora
 from core_engine.worker.lora.lora_step import LoRAStep
+
+# From this many tokens, a step whose tokens all run one adapter goes through torch's matmuls,
+# which beat the kernel's per-token products on a long prompt.
+ONE_ADAPTER_MATMUL_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,29 @@ class LinearLoRA:
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each token's adapter applied to x (x [T, in_rank], y [T, out_rank])."""
+        kernel = self._kernel_for(x, y)
+        if kernel is not None:
+            kernel(x.contiguous(), y, self.lora_a, self.lora_b, self.step.token_slots)
+            return
+        self._add_in_torch(x, y)
+
+    def _kernel_for(self, x: torch.Tensor, y: torch.Tensor):
+        """The shrink/expand kernel for this call, or None for the torch path."""
+        groups = self.step.groups
+        one_adapter = len(groups) == 1 and groups[0][1] is None
+        if one_adapter and x.shape[0] >= ONE_ADAPTER_MATMUL_MIN_TOKENS:
+            return None
+        if not (x.dtype == y.dtype == self.lora_a.dtype and y.is_contiguous()):
+            return None
+        if x.is_cuda:
+            from core_engine.kernels.cuda import lora_shrink_expand as cuda_lora
+
+            return cuda_lora.lora_shrink_expand
+        if cpu_lora.supports(x, self.lora_a):
+            return cpu_lora.lora_shrink_expand
+        return None
+
+    def _add_in_torch(self, x: torch.Tensor, y: torch.Tensor) -> None:
         for slot, rows in self.step.groups:
             lora_a, lora_b = self.lora_a[slot], self.lora_b[slot]
             if rows is None:

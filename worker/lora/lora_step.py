@@ -12,8 +12,9 @@ NO_SLOT = -1
 
 class LoRAStep:
     """The step's token groups, one per adapter slot in use: (slot, token rows), the rows None
-    when every token of the step uses that slot. Empty (`active` False) when no token runs an
-    adapter: the linears then add nothing and cost nothing.
+    when every token of the step uses that slot; and `token_slots`, int32 [T] on the device,
+    each token's slot or NO_SLOT (what the shrink/expand kernels take). Empty (`active` False)
+    when no token runs an adapter: the linears then add nothing and cost nothing.
 
     Shared by every `LinearLoRA` of a model; `LoRAManager` sets it before a forward and clears
     it after, so a forward outside a step (profiling, warm-up) runs the base model."""
@@ -21,6 +22,7 @@ class LoRAStep:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.token_slots: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
@@ -32,10 +34,11 @@ class LoRAStep:
         row_slots = np.asarray(row_slots, dtype=np.int64)
         used = np.unique(row_slots[row_slots != NO_SLOT])
         if used.size == 0:
-            self.groups = []
+            self.clear()
             return
         token_slots = np.repeat(row_slots, num_tokens_per_row)
         self.groups = [(int(slot), self._rows_of(token_slots, slot)) for slot in used]
+        self.token_slots = torch.from_numpy(token_slots.astype(np.int32)).to(self.device)
 
     def _rows_of(self, token_slots: np.ndarray, slot: int) -> torch.Tensor | None:
         rows = np.flatnonzero(token_slots == slot)
@@ -45,3 +48,4 @@ class LoRAStep:
 
     def clear(self) -> None:
         self.groups = []
+        self.token_slots = None
