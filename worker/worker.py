@@ -113,9 +113,10 @@ class Worker:
         if self.device.type == "cpu":
             cpu_kernel_loader.set_enabled(not self.config.enforce_eager)
             pack_linears(self.model)
-            self.decodes_in_c = enable_cpu_decoder(self.model)
-        if self.config.enable_lora:
+        if self.config.enable_lora:  # before the C decoder, which reads the adapters' slots
             self.lora_manager = LoRAManager(self.model, self.model_config, self.config, self.dtype)
+        if self.device.type == "cpu":
+            self.decodes_in_c = enable_cpu_decoder(self.model)
         self._max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = self.config.step_token_budget(
             self._default_step_budget, self._max_model_len

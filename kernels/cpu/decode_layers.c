@@ -40,6 +40,10 @@ void reshape_and_cache(const char* key, int64_t key_stride, const char* value,
                        int64_t value_stride, char* kv_cache, int64_t half_bytes,
                        const int64_t* slots, int64_t num_tokens, int64_t row_bytes);
 int paged_attention(const AttentionArgs* a, int64_t max_rows_x_len);
+int lora_shrink_expand(const void* x, void* y, const void* lora_a, const void* lora_b,
+                       const int32_t* token_slots, int32_t bf16, int64_t num_tokens,
+                       int64_t in_features, int64_t out_features, int64_t width,
+                       int64_t num_slots, int32_t num_threads);
 
 #define MAX_SEGMENTS 4
 #define LINEAR_GGUF 1
@@ -49,7 +53,9 @@ int paged_attention(const AttentionArgs* a, int64_t max_rows_x_len);
 // GGUF: `num_segments` runs of rows, segment s being `segment_rows[s]` rows of blocks of
 // `types[s]` at `blocks[s]`. F32: `packed` panels (`num_panels` of them); with
 // `fuses_silu_and_mul` (a gate_up of two equal halves on panel boundaries) its gated call
-// stores silu(gate) * up.
+// stores silu(gate) * up. `lora_a` [lora_slots, lora_width, k] and `lora_b` [lora_slots,
+// num_columns, lora_width] (float32; NULL without LoRA): the adapters' slots of this linear,
+// added per token by lora_shrink_expand.c when the step maps tokens to slots.
 typedef struct {
     int32_t kind;
     int32_t num_segments;
@@ -61,6 +67,9 @@ typedef struct {
     int32_t fuses_silu_and_mul;
     const float* bias;
     int64_t k, num_columns;
+    const float* lora_a;
+    const float* lora_b;
+    int64_t lora_width, lora_slots;
 } Linear;
 
 typedef struct {
@@ -101,6 +110,7 @@ typedef struct {
     float* activation;  // [T, I]
     int32_t num_threads;
     double* part_seconds;  // [NUM_PARTS] accumulated, or NULL
+    const int32_t* lora_token_slots;  // [T] each token's adapter slot (-1: none), or NULL
 } DecodeStep;
 
 static double seconds_now(void) {
@@ -117,11 +127,25 @@ static void charge(const DecodeStep* s, int part, double* since) {
     *since = now;
 }
 
-// out [T, num_columns] = x [T, k] times `w`, as the Python linears call the same kernels.
+// Whether the step's tokens go through adapters of `w`.
+static int runs_lora(const Linear* w, const DecodeStep* s) {
+    return s->lora_token_slots != NULL && w->lora_a != NULL;
+}
+
+// out += the step's adapters of `w` applied to x, as the Python LoRA linears call it.
+static void add_lora(const Linear* w, const float* x, float* out, const DecodeStep* s) {
+    if (!runs_lora(w, s)) return;
+    lora_shrink_expand(x, out, w->lora_a, w->lora_b, s->lora_token_slots, 0, s->num_tokens, w->k,
+                       w->num_columns, w->lora_width, w->lora_slots, s->num_threads);
+}
+
+// out [T, num_columns] = x [T, k] times `w` (plus its adapters), as the Python linears call
+// the same kernels.
 static void linear(const Linear* w, const float* x, float* out, const DecodeStep* s) {
     if (w->kind == LINEAR_F32) {
         f32_matmul(x, w->k, w->packed, w->bias, out, s->num_tokens, w->k, w->num_panels,
                    w->num_columns, s->num_threads);
+        add_lora(w, x, out, s);
         return;
     }
     int64_t first = 0;
@@ -131,6 +155,7 @@ static void linear(const Linear* w, const float* x, float* out, const DecodeStep
                     s->num_threads);
         first += w->segment_rows[i];
     }
+    add_lora(w, x, out, s);
 }
 
 // x + attention(norm(x)) of one layer, from `normed` (its input norm's output) onward; the
@@ -171,7 +196,7 @@ static int attention_block(const DecoderStack* m, const DecoderLayer* layer, Dec
 static void mlp_block(const DecoderLayer* layer, const DecodeStep* s, const float* normed,
                       float* projected, double* clock) {
     const Linear* gate_up = &layer->gate_up;
-    if (gate_up->fuses_silu_and_mul) {
+    if (gate_up->fuses_silu_and_mul && !runs_lora(gate_up, s)) {
         f32_matmul_silu_and_mul(normed, gate_up->k, gate_up->packed, gate_up->bias,
                                 s->activation, s->num_tokens, gate_up->k, gate_up->num_panels / 2,
                                 s->num_threads);
@@ -211,7 +236,7 @@ int decode_layers(const DecoderStack* m, DecodeStep* s, float* normed, float* re
 
 // sizeof of the structs, and the offsets the ctypes twins must match, for the tests:
 // [Linear, DecoderLayer, DecoderStack, DecodeStep sizes; DecodeStep.attention, .part_seconds,
-// DecoderLayer.kv_cache, Linear.bias offsets].
+// DecoderLayer.kv_cache, Linear.bias, Linear.lora_slots, DecodeStep.lora_token_slots offsets].
 int64_t decode_layers_layout(int64_t* out, int32_t capacity) {
     const int64_t all[] = {
         sizeof(Linear),
@@ -222,6 +247,8 @@ int64_t decode_layers_layout(int64_t* out, int32_t capacity) {
         offsetof(DecodeStep, part_seconds),
         offsetof(DecoderLayer, kv_cache),
         offsetof(Linear, bias),
+        offsetof(Linear, lora_slots),
+        offsetof(DecodeStep, lora_token_slots),
     };
     const int32_t count = (int32_t)(sizeof(all) / sizeof(all[0]));
     for (int32_t i = 0; i < count && i < capacity; ++i) out[i] = all[i];

@@ -34,6 +34,10 @@ class Linear(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("k", ctypes.c_int64),
         ("num_columns", ctypes.c_int64),
+        ("lora_a", ctypes.c_void_p),
+        ("lora_b", ctypes.c_void_p),
+        ("lora_width", ctypes.c_int64),
+        ("lora_slots", ctypes.c_int64),
     )
 
 
@@ -78,12 +82,13 @@ class DecodeStep(ctypes.Structure):
         ("activation", ctypes.c_void_p),
         ("num_threads", ctypes.c_int32),
         ("part_seconds", ctypes.c_void_p),
+        ("lora_token_slots", ctypes.c_void_p),
     )
 
 
 def layout_matches(library: ctypes.CDLL) -> bool:
     """Whether these structs have the compiled ones' sizes and checked offsets."""
-    reported = (ctypes.c_int64 * 8)()
+    reported = (ctypes.c_int64 * 10)()
     count = library.decode_layers_layout(reported, len(reported))
     expected = (
         ctypes.sizeof(Linear),
@@ -94,8 +99,18 @@ def layout_matches(library: ctypes.CDLL) -> bool:
         DecodeStep.part_seconds.offset,
         DecoderLayer.kv_cache.offset,
         Linear.bias.offset,
+        Linear.lora_slots.offset,
+        DecodeStep.lora_token_slots.offset,
     )
     return count == len(expected) and tuple(reported) == expected
+
+
+def add_lora_slots(linear: Linear, lora_a, lora_b) -> None:
+    """Points `linear` at its adapters' slots: float32 contiguous lora_a [slots, width, k] and
+    lora_b [slots, num_columns, width], which must outlive the struct."""
+    linear.lora_a = lora_a.data_ptr()
+    linear.lora_b = lora_b.data_ptr()
+    linear.lora_slots, linear.lora_width = lora_a.shape[0], lora_a.shape[1]
 
 
 def linear_of(weight, bias, fuses_silu_and_mul: bool = False) -> Linear | None:

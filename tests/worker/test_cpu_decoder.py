@@ -7,12 +7,15 @@ does not run (q/k norm) keep the Python layers."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from core_engine.common.model_files import resolve_model_path
 from core_engine.kernels.cpu import f32_matmul as cpu_f32_matmul
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
+from core_engine.proto.engine_config import EngineConfig
+from core_engine.worker.lora.lora_manager import LoRAManager
 from core_engine.worker.model_executor.cpu_decoder import enable_cpu_decoder
 from core_engine.worker.model_executor.cpu_linear import pack_linears
 from core_engine.worker.model_executor.model_loader import load_model
@@ -67,9 +70,10 @@ def run_step(model, tokens, computed, block_ids, caches, in_c: bool):
     return hidden, took
 
 
-def assert_steps_match(model, config):
+def assert_steps_match(model, config, lora_step=None):
     """Prefill three prompts (Python layers: long queries), then a decode step, then a step
-    of a 6-token chunk beside two decodes: both ways give the same bits."""
+    of a 6-token chunk beside two decodes: both ways give the same bits. With `lora_step`,
+    the three requests run adapter slots 0, none and 1."""
     prompts = prompts_of(config.vocab_size)
     block_ids = block_ids_of(prompts, extra_tokens=8)
     caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
@@ -81,6 +85,9 @@ def assert_steps_match(model, config):
          [len(prompts[0]) + 1, len(prompts[1]) + 1, len(prompts[2]) + 1]),  # a chunk + decodes
     ]  # fmt: skip
     for tokens, computed in steps:
+        if lora_step is not None:
+            num_new = [len(t) - c for t, c in zip(tokens, computed, strict=True)]
+            lora_step.set_token_slots([0, -1, 1], np.array(num_new))
         caches_c = [cache.clone() for cache in caches]
         in_c, took = run_step(model, tokens, computed, block_ids, caches_c, in_c=True)
         in_python, _ = run_step(model, tokens, computed, block_ids, caches, in_c=False)
@@ -111,6 +118,34 @@ def test_a_float32_model_on_the_float32_kernel_decodes_in_c_as_in_python(tmp_pat
     assert enable_cpu_decoder(model) == (cpu_f32_matmul.panel_columns() > 0)
     if model.model.cpu_decoder is not None:
         assert_steps_match(model, config)
+
+
+def test_lora_adapters_decode_in_c_as_in_python():
+    """Adapter slots beside the GGUF linears: the driver adds them per token (slots 0, none,
+    1) with the shrink/expand kernel, as the Python layers do, and they change the output."""
+    model, config = load_packed(resolve_model_path(None), quantization="gguf")
+    lora_config = EngineConfig(enable_lora=True, max_loras=2, max_lora_rank=8)
+    manager = LoRAManager(model, config, lora_config, torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    for linears in manager.layers:
+        for linear in linears:
+            for weights in (linear.lora_a, linear.lora_b):
+                weights.copy_(torch.randn(weights.shape, generator=generator) * 0.05)
+    assert enable_cpu_decoder(model)
+    assert_steps_match(model, config, manager.step)
+    manager.clear_step()
+    prompts = prompts_of(config.vocab_size)
+    block_ids = block_ids_of(prompts, extra_tokens=8)
+    caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
+    run_step(model, prompts, [0, 0, 0], block_ids, caches, in_c=False)
+    decode = ([p + [7] for p in prompts], [len(p) for p in prompts])
+    manager.step.set_token_slots([0, -1, 1], np.ones(3, dtype=np.int64))
+    with_adapters, _ = run_step(model, *decode, block_ids, [c.clone() for c in caches], True)
+    manager.clear_step()
+    without, _ = run_step(model, *decode, block_ids, [c.clone() for c in caches], True)
+    assert torch.equal(with_adapters[1], without[1])  # the request without an adapter
+    assert not torch.equal(with_adapters[0], without[0])
+    assert not torch.equal(with_adapters[2], without[2])
 
 
 def test_a_model_with_qk_norm_keeps_the_python_layers(tmp_path):

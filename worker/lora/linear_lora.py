@@ -20,10 +20,6 @@ import torch
 from core_engine.kernels.cpu import lora_shrink_expand as cpu_lora
 from core_engine.worker.lora.lora_step import LoRAStep
 
-# From this many tokens, a step whose tokens all run one adapter goes through torch's matmuls,
-# which beat the kernel's per-token products on a long prompt.
-ONE_ADAPTER_MATMUL_MIN_TOKENS = 64
-
 
 @dataclass(frozen=True, slots=True)
 class LoRASlice:
@@ -93,9 +89,7 @@ class LinearLoRA:
 
     def _kernel_for(self, x: torch.Tensor, y: torch.Tensor):
         """The shrink/expand kernel for this call, or None for the torch path."""
-        groups = self.step.groups
-        one_adapter = len(groups) == 1 and groups[0][1] is None
-        if one_adapter and x.shape[0] >= ONE_ADAPTER_MATMUL_MIN_TOKENS:
+        if self.step.runs_matmul(x.shape[0]):
             return None
         if not (x.dtype == y.dtype == self.lora_a.dtype and y.is_contiguous()):
             return None

@@ -70,7 +70,6 @@ class LoRAManager:
         self.slot_adapters: list[int | None] = [None] * self.num_slots
         self._slot_last_used = [0] * self.num_slots
         self._num_steps = 0
-        model.model.lora_step = self.step
 
     def set_step(
         self, row_lora_requests: Sequence[LoRARequest | None], num_tokens_per_row: np.ndarray

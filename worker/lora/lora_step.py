@@ -8,6 +8,9 @@ import numpy as np
 import torch
 
 NO_SLOT = -1
+# From this many tokens, a step whose tokens all run one adapter goes through torch's matmuls,
+# which beat the shrink/expand kernel's per-token products on a long prompt.
+ONE_ADAPTER_MATMUL_MIN_TOKENS = 64
 
 
 class LoRAStep:
@@ -27,6 +30,13 @@ class LoRAStep:
     @property
     def active(self) -> bool:
         return bool(self.groups)
+
+    def runs_matmul(self, num_tokens: int) -> bool:
+        """Whether the linears add the adapters with torch's matmuls rather than the kernel:
+        every one of the step's `num_tokens` (at least ONE_ADAPTER_MATMUL_MIN_TOKENS) runs
+        one adapter."""
+        one_adapter = len(self.groups) == 1 and self.groups[0][1] is None
+        return one_adapter and num_tokens >= ONE_ADAPTER_MATMUL_MIN_TOKENS
 
     def set_token_slots(self, row_slots: Sequence[int], num_tokens_per_row: np.ndarray) -> None:
         """Row r of the batch (its `num_tokens_per_row[r]` consecutive tokens) runs the

@@ -56,6 +56,10 @@ class CpuDecoderStack:
             attention_scale=first.scale,
         )
         self._bound_caches: tuple[int, ...] = ()
+        # The LoRA step the layers' adapters read (None without LoRA): its token slots go to
+        # the driver, which adds each linear's adapters as the Python layers do.
+        lora = first.qkv_proj.lora
+        self.lora_step = lora.step if lora is not None else None
         # Set by benchmarks.micro.profile_step: a (c_double * len(PART_NAMES)) array the C
         # driver adds each part's seconds to.
         self.part_seconds: ctypes.Array | None = None
@@ -80,7 +84,10 @@ class CpuDecoderStack:
         metadata: AttentionMetadata,
     ) -> bool:
         """Whether `run` takes this step: float32 [T, hidden] embeddings on the CPU, float32
-        caches, and attention that is all the decode kernel's."""
+        caches, attention that is all the decode kernel's, and adapters (if any token runs
+        one) added by the shrink/expand kernel, as the Python layers would."""
+        if self.lora_step is not None and self.lora_step.runs_matmul(hidden_states.shape[0]):
+            return False
         return self._plan(hidden_states, kv_caches, metadata) is not None
 
     def run(
@@ -119,6 +126,7 @@ class CpuDecoderStack:
             attention_scratch_floats=plan.max_query_x_seq_len * self.num_q_heads,
             num_threads=torch.get_num_threads(),
             part_seconds=None if self.part_seconds is None else ctypes.addressof(self.part_seconds),
+            lora_token_slots=self._lora_token_slots(tokens),
             **{name: tensor.data_ptr() for name, tensor in scratch.items()},
         )
         normed = normed.contiguous()
@@ -133,6 +141,15 @@ class CpuDecoderStack:
         if status != 0:
             raise MemoryError("CPU attention could not allocate its scores")
         return projected
+
+    def _lora_token_slots(self, num_tokens: int) -> int | None:
+        """The address of the step's int32 token slots when some token runs an adapter."""
+        step = self.lora_step
+        if step is None or not step.active:
+            return None
+        if step.token_slots.shape != (num_tokens,) or step.token_slots.dtype != torch.int32:
+            raise ValueError("the LoRA step's token slots do not match the step's tokens")
+        return step.token_slots.data_ptr()
 
     def _plan(self, stream: torch.Tensor, kv_caches, metadata):
         """The attention plan when a step of this float32 residual stream (the embeddings)
@@ -205,6 +222,11 @@ def _describe_layer(layer: nn.Module, struct: c_decode.DecoderLayer) -> bool:
         linear = c_decode.linear_of(projection.kernel_weight, projection.bias, fuses)
         if linear is None:
             return False
+        lora = projection.lora
+        if lora is not None:
+            if not (_is_float32(lora.lora_a) and _is_float32(lora.lora_b)):
+                return False
+            c_decode.add_lora_slots(linear, lora.lora_a, lora.lora_b)
         setattr(struct, name, linear)
     struct.input_norm = norms[0].weight.data_ptr()
     struct.post_attention_norm = norms[1].weight.data_ptr()

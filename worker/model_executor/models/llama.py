@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from core_engine.kernels import AttentionMetadata, write_kv_and_attend
-from core_engine.worker.lora.lora_step import LoRAStep
 from core_engine.worker.model_executor.cpu_decoder import CpuDecoderStack
 from core_engine.worker.model_executor.layers import (
     ACTIVATION_AND_MUL,
@@ -168,8 +167,6 @@ class LlamaModel(nn.Module):
     result as the loop over them."""
 
     cpu_decoder: CpuDecoderStack | None = None
-    # Set by worker.lora.LoRAManager: a step whose tokens run adapters skips the C decoder.
-    lora_step: LoRAStep | None = None
 
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
@@ -204,9 +201,9 @@ class LlamaModel(nn.Module):
     def _decodes_in_c(
         self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor], metadata
     ) -> bool:
-        if self.cpu_decoder is None or (self.lora_step is not None and self.lora_step.active):
-            return False
-        return self.cpu_decoder.takes(hidden_states, kv_caches, metadata)
+        return self.cpu_decoder is not None and self.cpu_decoder.takes(
+            hidden_states, kv_caches, metadata
+        )
 
     def enable_cpu_decoder(self) -> bool:
         """Describes the layers to the C decode driver when it runs all of them (a CPU model
