@@ -8,6 +8,7 @@ Workloads (seeded random token prompts, ignore_eos), each server one at a time:
 - saturation, base model only: 64 prompts, 128 in / 64 out, rate inf;
 - saturation, mixed: the same, requests naming a0, a1, a2, a3 and the base model in turn;
 - batch 1, base model and batch 1 through a0: 8 prompts, 128 in / 128 out, one at a time.
+Each workload draws its prompts with a seed of its own, so none hits another's prefix cache.
 Ratios per server: mixed / base output tok/s (target >= 0.85 on core-serve), TPOT with an
 adapter / without at batch 1 (target <= 1.2); and core-serve / vllm serve on each workload.
 Results: benchmarks/results/lora[_quick].{json,md}.
@@ -51,6 +52,7 @@ MAX_LORA_RANK = 16
 BASE_MODEL_NAME = "base"
 CORE = "core-serve"
 VLLM = "vllm serve"
+WORKLOAD_SEED_STRIDE = 1000
 WARM_UP = BurstWorkload("warm-up", 4, 16, 2, float("inf"), lora_modules=("a0", "a1", "a2", "a3"))
 
 
@@ -89,10 +91,12 @@ def measure(url: str, args, work_dir: Path) -> dict:
     tokenizer = args.hf_model
     run_bench_serve(args.peer_python, url, BASE_MODEL_NAME, tokenizer, WARM_UP, work_dir, 99)
     results = {}
-    for name, workload in args.workloads.items():
+    for index, (name, workload) in enumerate(args.workloads.items()):
         print(f"  vllm bench serve: {name}: {workload.describe()}", flush=True)
+        # A seed per workload: no workload's prompts hit another's prefix cache.
+        seed = args.seed + WORKLOAD_SEED_STRIDE * index
         raw = run_bench_serve(
-            args.peer_python, url, BASE_MODEL_NAME, tokenizer, workload, work_dir, args.seed
+            args.peer_python, url, BASE_MODEL_NAME, tokenizer, workload, work_dir, seed
         )
         results[name] = summary(raw)
     return results
