@@ -9,7 +9,8 @@ Workloads (seeded random token prompts, ignore_eos), each server one at a time:
 - saturation, mixed: the same, requests naming a0, a1, a2, a3 and the base model in turn;
 - batch 1, base model and batch 1 through a0: 8 prompts, 128 in / 128 out, one at a time.
 Each workload draws its prompts with a seed of its own, so none hits another's prefix cache.
-Ratios per server: mixed / base output tok/s (target >= 0.85 on core-serve), TPOT with an
+core-serve also runs the two base-model workloads without `--enable-lora`, for what the switch
+costs requests without adapters. Ratios per server: mixed / base output tok/s (target >= 0.85 on core-serve), TPOT with an
 adapter / without at batch 1 (target <= 1.2); and core-serve / vllm serve on each workload.
 Results: benchmarks/results/lora[_quick].{json,md}.
 
@@ -51,9 +52,12 @@ ADAPTERS = tuple(
 MAX_LORA_RANK = 16
 BASE_MODEL_NAME = "base"
 CORE = "core-serve"
+CORE_LORA_OFF = "core-serve without --enable-lora"
 VLLM = "vllm serve"
+BASE_WORKLOADS = ("saturation, base", "batch 1, base")
 WORKLOAD_SEED_STRIDE = 1000
 WARM_UP = BurstWorkload("warm-up", 4, 16, 2, float("inf"), lora_modules=("a0", "a1", "a2", "a3"))
+BASE_WARM_UP = BurstWorkload("warm-up", 4, 16, 2, float("inf"))
 
 
 def workloads(quick: bool) -> dict[str, BurstWorkload]:
@@ -83,15 +87,25 @@ def lora_flags(adapter_dir: Path) -> list[str]:
             "--max-lora-rank", str(MAX_LORA_RANK), "--lora-modules", *modules]  # fmt: skip
 
 
-def measure(url: str, args, work_dir: Path) -> dict:
-    """Every workload against the server at `url`: workload name -> the client's summary."""
+def measure(
+    url: str,
+    args,
+    work_dir: Path,
+    names: tuple[str, ...] | None = None,
+    warm_up: BurstWorkload = WARM_UP,
+) -> dict:
+    """The workloads `names` (None: every one) against the server at `url`: workload name ->
+    the client's summary. A workload's seed is its place in `args.workloads`, whichever
+    server runs it."""
     models = [card["id"] for card in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
     if BASE_MODEL_NAME not in models:
         raise RuntimeError(f"the server serves {models}, not {BASE_MODEL_NAME!r}")
     tokenizer = args.hf_model
-    run_bench_serve(args.peer_python, url, BASE_MODEL_NAME, tokenizer, WARM_UP, work_dir, 99)
+    run_bench_serve(args.peer_python, url, BASE_MODEL_NAME, tokenizer, warm_up, work_dir, 99)
     results = {}
     for index, (name, workload) in enumerate(args.workloads.items()):
+        if names is not None and name not in names:
+            continue
         print(f"  vllm bench serve: {name}: {workload.describe()}", flush=True)
         # A seed per workload: no workload's prompts hit another's prefix cache.
         seed = args.seed + WORKLOAD_SEED_STRIDE * index
@@ -112,6 +126,10 @@ def run_servers(args, work_dir: Path) -> dict:
     core_flags = ["--dtype", args.dtype, "--served-model-name", BASE_MODEL_NAME, *flags]
     with core_serve(core_flags, work_dir / "core-serve.log") as url:
         results[CORE] = measure(url, args, work_dir)
+    print(CORE_LORA_OFF, flush=True)
+    plain_flags = ["--dtype", args.dtype, "--served-model-name", BASE_MODEL_NAME]
+    with core_serve(plain_flags, work_dir / "core-serve-plain.log") as url:
+        results[CORE_LORA_OFF] = measure(url, args, work_dir, BASE_WORKLOADS, BASE_WARM_UP)
     if not args.skip_vllm:
         print(f"{VLLM} ({args.peer_python}); a minute or two to start", flush=True)
         with vllm_serve(args.peer_python, args.hf_model, args.dtype, args.threads,
@@ -135,6 +153,23 @@ def cost_of_adapters(by_workload: dict) -> dict:
         "batch 1 TPOT p50, adapter / base": ratio(
             by_workload["batch 1, adapter a0"]["median_tpot_ms"],
             by_workload["batch 1, base"]["median_tpot_ms"],
+        ),
+    }
+
+
+def cost_of_enabling_lora(servers: dict) -> dict:
+    """What --enable-lora costs requests without adapters: the base workloads' figures on
+    core-serve with it over without it."""
+    on, off = servers[CORE], servers.get(CORE_LORA_OFF)
+    if off is None:
+        return {}
+    return {
+        "saturation output tok/s, base, LoRA on / off": ratio(
+            on["saturation, base"]["output_throughput"],
+            off["saturation, base"]["output_throughput"],
+        ),
+        "batch 1 TPOT p50, base, LoRA on / off": ratio(
+            on["batch 1, base"]["median_tpot_ms"], off["batch 1, base"]["median_tpot_ms"]
         ),
     }
 
@@ -168,6 +203,8 @@ def render_markdown(result: dict) -> str:
     rows = []
     for workload in result["workloads"]:
         for server, by_workload in servers.items():
+            if workload not in by_workload:
+                continue
             s = by_workload[workload]
             rows.append([workload, server, _fmt(s["output_throughput"]),
                          _fmt(s["median_tpot_ms"], 2), _fmt(s["median_ttft_ms"]),
@@ -179,8 +216,13 @@ def render_markdown(result: dict) -> str:
     lines += ["", "## What the adapters cost each server", ""]
     lines.append(markdown_table(["server", *TARGETS], [
         [server, *(_fmt(v, 2) for v in cost_of_adapters(by_workload).values())]
-        for server, by_workload in servers.items()
+        for server, by_workload in servers.items() if server != CORE_LORA_OFF
     ]))  # fmt: skip
+    switch = cost_of_enabling_lora(servers)
+    if switch:
+        lines += ["", "## What --enable-lora costs requests without adapters (core-serve)", ""]
+        lines.append(markdown_table(["ratio", "measured"],
+                                    [[name, _fmt(v, 2)] for name, v in switch.items()]))  # fmt: skip
     if VLLM in servers:
         lines += ["", "## core-serve / vllm serve", ""]
         lines.append(markdown_table(["workload", "output tok/s", "TPOT p50"], [
@@ -249,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         "workloads": {name: w.describe() for name, w in args.workloads.items()},
         "servers": servers,
         "targets": targets(servers),
+        "cost_of_enabling_lora": cost_of_enabling_lora(servers),
     }
     write_results(result, render_markdown(result), args.output_dir,
                   result_name("lora", args.quick))  # fmt: skip

@@ -179,7 +179,11 @@ def test_the_cost_of_adapters_is_judged_against_the_targets():
             "batch 1, adapter a0": summary(fake_result(50.0, 100.0, adapter_tpot)),
         }
 
-    servers = {lora.CORE: server(90.0, 13.0), lora.VLLM: server(80.0, 11.0)}
+    plain = server(0.0, 0.0)
+    plain = {name: plain[name] for name in lora.BASE_WORKLOADS}
+    plain["saturation, base"] = summary(fake_result(125.0, 300.0, 10.0))
+    servers = {lora.CORE: server(90.0, 13.0), lora.CORE_LORA_OFF: plain,
+               lora.VLLM: server(80.0, 11.0)}  # fmt: skip
     judged = lora.targets(servers)
     assert judged["saturation output tok/s, mixed / base"]["ratio"] == pytest.approx(0.9)
     assert judged["saturation output tok/s, mixed / base"]["met"] is True
@@ -198,3 +202,5 @@ def test_the_cost_of_adapters_is_judged_against_the_targets():
     assert "| core-serve | 0.90 | 1.30 |" in markdown
     assert "| saturation, 4 adapters + base | 1.12 | 1.00 |" in markdown
     assert "AVX2" in markdown and "- batch 1, adapter a0: 8 prompts" in markdown
+    assert "| saturation output tok/s, base, LoRA on / off | 0.80 |" in markdown
+    assert "| core-serve without --enable-lora | 0." not in markdown  # not in the cost table
