@@ -44,7 +44,10 @@ def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
     assert list(steps) == ["gpu tests", "attention benchmark", "engine tiny", "compute-sanitizer"]
     assert steps["gpu tests"]["status"] == "skipped"
     assert steps["gpu tests"]["figures"]["collected"] >= 100
-    assert steps["gpu tests"]["figures"]["files"] == ["tests/kernels/test_kernels_gpu.py"]
+    assert steps["gpu tests"]["figures"]["files"] == [
+        "tests/kernels/test_cuda_lora_shrink_expand.py",
+        "tests/kernels/test_kernels_gpu.py",
+    ]
     for name in ("compute-sanitizer", "attention benchmark"):
         assert steps[name] | {"seconds": 0} == {
             "name": name, "status": "skipped", "summary": "skipped: no CUDA", "seconds": 0,
