@@ -27,19 +27,23 @@ from pathlib import Path
 import httpx
 
 from benchmarks.harness.common import (
-    RESULTS_DIR,
     core_serve,
-    default_hf_folder,
-    default_num_threads,
-    engine_default_dtype,
     machine_info,
     machine_line,
     markdown_table,
     result_name,
     write_results,
 )
-from benchmarks.peers.vllm import default_peer_python, vllm_serve, vllm_version
+from benchmarks.peers.vllm import vllm_serve
 from benchmarks.peers.vllm_bench_client import BurstWorkload, run_bench_serve, summary
+from benchmarks.serving.judged_comparison import (
+    add_server_arguments,
+    fmt,
+    judge,
+    ratio,
+    resolve_server_arguments,
+    targets_table,
+)
 from tools.lora_adapters import AdapterSpec, make_peft_adapter
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -138,10 +142,6 @@ def run_servers(args, work_dir: Path) -> dict:
     return results
 
 
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator and denominator else None
-
-
 def cost_of_adapters(by_workload: dict) -> dict:
     """One server's two LoRA ratios: mixed / base output tok/s at saturation, and TPOT with an
     adapter / without at batch 1."""
@@ -183,12 +183,7 @@ TARGETS = {
 def targets(servers: dict) -> dict:
     """core-serve's two LoRA ratios against the issue's targets."""
     ratios = cost_of_adapters(servers[CORE])
-    judged = {}
-    for name, (sign, bound) in TARGETS.items():
-        value = ratios[name]
-        met = None if value is None else (value >= bound if sign == ">=" else value <= bound)
-        judged[name] = {"ratio": value, "target": f"{sign} {bound}", "met": met}
-    return judged
+    return {name: judge(ratios[name], sign, bound) for name, (sign, bound) in TARGETS.items()}
 
 
 def render_markdown(result: dict) -> str:
@@ -206,8 +201,8 @@ def render_markdown(result: dict) -> str:
             if workload not in by_workload:
                 continue
             s = by_workload[workload]
-            rows.append([workload, server, _fmt(s["output_throughput"]),
-                         _fmt(s["median_tpot_ms"], 2), _fmt(s["median_ttft_ms"]),
+            rows.append([workload, server, fmt(s["output_throughput"]),
+                         fmt(s["median_tpot_ms"], 2), fmt(s["median_ttft_ms"]),
                          f"{s['completed']} / {s['failed']}"])  # fmt: skip
     lines.append(markdown_table(
         ["workload", "server", "output tok/s", "TPOT p50 ms", "TTFT p50 ms", "completed / failed"],
@@ -215,61 +210,32 @@ def render_markdown(result: dict) -> str:
     ))  # fmt: skip
     lines += ["", "## What the adapters cost each server", ""]
     lines.append(markdown_table(["server", *TARGETS], [
-        [server, *(_fmt(v, 2) for v in cost_of_adapters(by_workload).values())]
+        [server, *(fmt(v, 2) for v in cost_of_adapters(by_workload).values())]
         for server, by_workload in servers.items() if server != CORE_LORA_OFF
     ]))  # fmt: skip
     switch = cost_of_enabling_lora(servers)
     if switch:
         lines += ["", "## What --enable-lora costs requests without adapters (core-serve)", ""]
         lines.append(markdown_table(["ratio", "measured"],
-                                    [[name, _fmt(v, 2)] for name, v in switch.items()]))  # fmt: skip
+                                    [[name, fmt(v, 2)] for name, v in switch.items()]))  # fmt: skip
     if VLLM in servers:
         lines += ["", "## core-serve / vllm serve", ""]
         lines.append(markdown_table(["workload", "output tok/s", "TPOT p50"], [
-            [w, _fmt(ratio(servers[CORE][w]["output_throughput"],
+            [w, fmt(ratio(servers[CORE][w]["output_throughput"],
                            servers[VLLM][w]["output_throughput"]), 2),
-             _fmt(ratio(servers[CORE][w]["median_tpot_ms"], servers[VLLM][w]["median_tpot_ms"]), 2)]
+             fmt(ratio(servers[CORE][w]["median_tpot_ms"], servers[VLLM][w]["median_tpot_ms"]), 2)]
             for w in result["workloads"]
         ]))  # fmt: skip
-    lines += ["", "## Targets (core-serve)", ""]
-    lines.append(markdown_table(["ratio", "measured", "target", "met"], [
-        [name, _fmt(t["ratio"], 2), t["target"], "n/a" if t["met"] is None else str(t["met"])]
-        for name, t in result["targets"].items()
-    ]))  # fmt: skip
+    lines += ["", "## Targets (core-serve)", "", targets_table(result["targets"])]
     return "\n".join(lines) + "\n"
-
-
-def _fmt(value, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny workloads")
-    parser.add_argument("--skip-vllm", action="store_true", help="leave vllm serve out")
-    parser.add_argument(
-        "--peer-python",
-        default=None,
-        help="vLLM's virtual environment's Python (its client runs from it)",
-    )
-    parser.add_argument(
-        "--hf-model",
-        type=Path,
-        default=None,
-        help="the default model as an HF folder (adapters, tokenizer, vllm serve)",
-    )
-    parser.add_argument("--threads", type=int, default=None, help="each server's CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args(argv)  # fmt: skip
-    args.peer_python = args.peer_python or default_peer_python()
-    try:
-        args.peer_version = vllm_version(args.peer_python)
-    except ValueError as exc:
-        parser.error(str(exc))
-    args.hf_model = args.hf_model or default_hf_folder(None)
-    args.threads = args.threads or default_num_threads()
-    args.dtype = engine_default_dtype("cpu")
+    add_server_arguments(parser, "adapters, tokenizer, vllm serve")
+    args = parser.parse_args(argv)
+    resolve_server_arguments(parser, args)
     args.workloads = workloads(args.quick)
     return args
 

@@ -32,11 +32,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.harness.common import (
-    RESULTS_DIR,
     core_serve,
-    default_hf_folder,
-    default_num_threads,
-    engine_default_dtype,
     machine_info,
     machine_line,
     markdown_table,
@@ -44,8 +40,16 @@ from benchmarks.harness.common import (
     write_results,
 )
 from benchmarks.peers.llama_server import LlamaServerPeer, find_llama_server
-from benchmarks.peers.vllm import default_peer_python, vllm_serve, vllm_version
+from benchmarks.peers.vllm import vllm_serve
 from benchmarks.peers.vllm_bench_client import BurstWorkload, run_bench_serve, summary
+from benchmarks.serving.judged_comparison import (
+    add_server_arguments,
+    fmt,
+    judge,
+    ratio,
+    resolve_server_arguments,
+    targets_table,
+)
 from core_engine.common.model_files import resolve_model_path
 
 ONE_USER = BurstWorkload("one user", 8, 128, 128, float("inf"), max_concurrency=1)
@@ -165,10 +169,6 @@ def figure(results: dict, server: str, workload: str, key: str) -> float | None:
     return results.get(server, {}).get(workload, {}).get("summary", {}).get(key)
 
 
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator and denominator else None
-
-
 def targets(results: dict) -> dict:
     """The issue's three ratios, each with its target and whether it is met (None: a server
     was not measured)."""
@@ -183,11 +183,7 @@ def targets(results: dict) -> dict:
             ratio(figure(results, CORE_GGUF, "saturation", "output_throughput"),
                   figure(results, VLLM, "saturation", "output_throughput")), ">=", 1.5),
     }  # fmt: skip
-    return {
-        name: {"ratio": value, "target": f"{sign} {bound}",
-               "met": None if value is None else (value <= bound if sign == "<=" else value >= bound)}
-        for name, (value, sign, bound) in rows.items()
-    }  # fmt: skip
+    return {name: judge(value, sign, bound) for name, (value, sign, bound) in rows.items()}
 
 
 def render_markdown(result: dict) -> str:
@@ -201,17 +197,13 @@ def render_markdown(result: dict) -> str:
             if workload not in by_workload:
                 continue
             s = by_workload[workload]["summary"]
-            rows.append([server, _fmt(s["median_tpot_ms"], 2), _fmt(s["median_ttft_ms"]),
-                         _fmt(s["output_throughput"]), f"{s['completed']} / {s['failed']}"])  # fmt: skip
+            rows.append([server, fmt(s["median_tpot_ms"], 2), fmt(s["median_ttft_ms"]),
+                         fmt(s["output_throughput"]), f"{s['completed']} / {s['failed']}"])  # fmt: skip
         lines += ["", f"## {workload}: {description}", ""]
         lines.append(markdown_table(
             ["server", "TPOT p50 ms", "TTFT p50 ms", "output tok/s", "completed / failed"], rows
         ))  # fmt: skip
-    lines += ["", "## Targets", ""]
-    lines.append(markdown_table(["ratio", "measured", "target", "met"], [
-        [name, _fmt(t["ratio"], 2), t["target"], "n/a" if t["met"] is None else str(t["met"])]
-        for name, t in result["targets"].items()
-    ]))  # fmt: skip
+    lines += ["", "## Targets", "", targets_table(result["targets"])]
     if result.get("agreement"):
         a = result["agreement"]
         lines += ["", f"Greedy agreement, {AGREEMENT_TOKENS} tokens at temperature 0: "
@@ -221,45 +213,20 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny workloads, one round")
     parser.add_argument("--llama-server", default=None,
                         help="llama.cpp's llama-server program (default: the one on PATH; "
                         "none: leave it out)")  # fmt: skip
-    parser.add_argument("--skip-vllm", action="store_true", help="leave vllm serve out")
-    parser.add_argument(
-        "--peer-python",
-        default=None,
-        help="vLLM's virtual environment's Python (its client runs from it)",
-    )
-    parser.add_argument(
-        "--hf-model",
-        type=Path,
-        default=None,
-        help="the default model as an HF folder (tokenizer, vllm serve)",
-    )
-    parser.add_argument("--threads", type=int, default=None, help="each server's CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    add_server_arguments(parser, "tokenizer, vllm serve")
     args = parser.parse_args(argv)
-    args.peer_python = args.peer_python or default_peer_python()
-    try:
-        args.peer_version = vllm_version(args.peer_python)
-    except ValueError as exc:
-        parser.error(str(exc))
+    resolve_server_arguments(parser, args)
     try:
         args.llama_server = find_llama_server(args.llama_server)
     except ValueError:
         args.llama_server = None  # no llama-server here: the run says so and goes on
-    args.hf_model = args.hf_model or default_hf_folder(None)
     args.gguf = resolve_model_path(None)
-    args.threads = args.threads or default_num_threads()
-    args.dtype = engine_default_dtype("cpu")
     args.rounds = 1 if args.quick else ROUNDS
     args.one_user = QUICK_ONE_USER if args.quick else ONE_USER
     args.saturation = QUICK_SATURATION if args.quick else SATURATION
