@@ -169,6 +169,16 @@ def requires_cpu_flags(*flags: str, kernel: str) -> pytest.MarkDecorator:
     return pytest.mark.cpu_kernel(*flags, kernel=kernel)
 
 
+def build_params(kernel: str) -> list:
+    """One pytest param per build in KERNEL_BUILDS (id: its name), each marked to run only on
+    a CPU with the build's flags: a test of `kernel` on every build the host can run."""
+    return [
+        pytest.param(build, marks=requires_cpu_flags(*build.cpu_flags, kernel=kernel),
+                     id=build.name)
+        for build in KERNEL_BUILDS
+    ]  # fmt: skip
+
+
 def missing_flags_reason(
     flags: Iterable[str], kernel: str, host_flags: frozenset[str]
 ) -> str | None:

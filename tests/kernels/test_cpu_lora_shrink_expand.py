@@ -12,7 +12,10 @@ import torch
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu import lora_shrink_expand as cpu_lora
 from core_engine.kernels.lora_operands import LoRAOperandError
-from tests.helpers.cpu_kernel_builds import KERNEL_BUILDS, kernel_library, requires_cpu_flags
+from tests.helpers.cpu_kernel_builds import (
+    build_params,
+    kernel_library,
+)
 from tests.helpers.lora_shrink_expand_cases import (
     LoRACase,
     assert_matches_reference,
@@ -20,11 +23,7 @@ from tests.helpers.lora_shrink_expand_cases import (
 )
 
 DTYPES = (torch.float32, torch.bfloat16)
-BUILD_PARAMS = [
-    pytest.param(build, marks=requires_cpu_flags(*build.cpu_flags, kernel="lora_shrink_expand.c"),
-                 id=build.name)
-    for build in KERNEL_BUILDS
-]  # fmt: skip
+BUILD_PARAMS = build_params("lora_shrink_expand.c")
 
 
 @pytest.fixture(params=BUILD_PARAMS)

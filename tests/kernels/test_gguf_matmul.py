@@ -21,21 +21,16 @@ from core_engine.kernels.cpu.gguf_matmul import (
     GgufSegment,
 )
 from tests.helpers.cpu_kernel_builds import (
-    KERNEL_BUILDS,
     assert_float32_sums,
+    build_params,
     kernel_library,
-    requires_cpu_flags,
 )
 
 gguf = pytest.importorskip("gguf")
 
 K = 512  # two K-quant blocks, sixteen 32-value blocks per row
 BLOCK32_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the integer path's
-BUILD_PARAMS = [
-    pytest.param(build, marks=requires_cpu_flags(*build.cpu_flags, kernel="gguf_matmul.c"),
-                 id=build.name)
-    for build in KERNEL_BUILDS
-]  # fmt: skip
+BUILD_PARAMS = build_params("gguf_matmul.c")
 
 
 @pytest.fixture(params=BUILD_PARAMS)
