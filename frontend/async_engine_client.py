@@ -20,7 +20,6 @@ from core_engine.common.model_files import resolve_model_path
 from core_engine.frontend.core_client import AsyncCoreClient, EngineDeadError
 from core_engine.frontend.core_client_protocol import CoreClient
 from core_engine.frontend.data_parallel_client import DataParallelCoreClient
-from core_engine.frontend.lora_checkpoint_cache import LoRACheckpointCache
 from core_engine.frontend.metrics import EngineMetrics
 from core_engine.frontend.output_processor import OutputProcessor
 from core_engine.frontend.request_output import RequestOutput
@@ -36,6 +35,7 @@ from core_engine.proto import (
     SchedulerStats,
 )
 from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.lora_checkpoint_cache import LoRACheckpointCache
 from core_engine.proto.parameter_error import ParameterError
 from core_engine.proto.request_fit import check_request_fits
 from core_engine.proto.sampling_params import StructuredOutputs

@@ -14,13 +14,13 @@ from core_engine.frontend.async_engine_client import (
     ServiceStoppedError,
 )
 from core_engine.frontend.core_client import EngineDeadError
-from core_engine.frontend.lora_checkpoint_cache import LORA_REQUEST_PARAM
 from core_engine.frontend.openai.api_error import APIError, unavailable_error
 from core_engine.frontend.openai.protocol.base import UsageInfo
 from core_engine.frontend.openai.protocol.chat import ChatCompletionRequest
 from core_engine.frontend.openai.protocol.completions import CompletionRequest
 from core_engine.frontend.request_output import RequestOutput
 from core_engine.proto import LoRARequest, SamplingParams
+from core_engine.proto.lora_checkpoint_cache import LORA_REQUEST_PARAM
 from core_engine.proto.parameter_error import ParameterError
 
 

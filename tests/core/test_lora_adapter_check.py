@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from core_engine.core import lora_adapter_check
 from core_engine.core.lora_adapter_check import LoRAAdapterCheck
-from core_engine.proto import LoRARequest
+from core_engine.proto import LoRARequest, lora_checkpoint_cache
 from core_engine.proto.parameter_error import ParameterError
 from tests.common.test_lora_checkpoint import SHAPES, write_adapter
 
@@ -17,7 +16,7 @@ def test_a_good_adapter_passes_and_its_verdict_is_remembered(tmp_path, monkeypat
     check = LoRAAdapterCheck(SHAPES)
     check.check(LoRARequest("good", 1, str(folder)))
     monkeypatch.setattr(
-        lora_adapter_check, "check_lora_checkpoint", lambda *args: pytest.fail("checked twice")
+        lora_checkpoint_cache, "check_lora_checkpoint", lambda *args: pytest.fail("checked twice")
     )
     check.check(LoRARequest("good", 1, str(folder)))
     check.check(None)  # the base model needs no check

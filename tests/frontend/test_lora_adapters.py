@@ -29,7 +29,6 @@ from core_engine.frontend.lora_adapter_registry import (
     LoRAAdapterNotFoundError,
     LoRAAdapterRegistry,
 )
-from core_engine.frontend.lora_checkpoint_cache import LoRACheckpointCache
 from core_engine.frontend.metrics import EngineMetrics
 from core_engine.frontend.openai.cli import RUNTIME_LORA_UPDATING_ENV, parse_args
 from core_engine.frontend.openai.lora_modules import LoRAModulePath
@@ -43,6 +42,7 @@ from core_engine.proto import (
     SchedulerStats,
 )
 from core_engine.proto.engine_config import EngineConfig
+from core_engine.proto.lora_checkpoint_cache import LoRACheckpointCache
 from core_engine.proto.parameter_error import ParameterError
 
 # A served model of 2 layers whose adapters, of rank 16 at most, may target q_proj (64 -> 64)
@@ -167,7 +167,7 @@ async def final_output(stream):
 
 
 def test_a_good_adapter_is_read_once_per_id_and_path(tmp_path, monkeypatch):
-    import core_engine.frontend.lora_checkpoint_cache as cache_module
+    import core_engine.proto.lora_checkpoint_cache as cache_module
 
     calls = []
     real_check = cache_module.check_lora_checkpoint

@@ -1,6 +1,7 @@
 """`LoRACheckpointCache`: the LoRA adapter checkpoints one engine has found good, so that a bad
 adapter is refused when a request is submitted (a `ParameterError` naming what is wrong), never
-as a failure inside the engine, and a good one is read from disk once."""
+as a failure inside the engine, and a good one is read from disk once. The frontend checks with
+it before a request leaves, the engine core again for clients that skip the frontend."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from core_engine.common.lora_checkpoint import (
     LoRACheckpointError,
     check_lora_checkpoint,
 )
-from core_engine.proto import LoRARequest, LoRATargetShapes
+from core_engine.proto.lora_request import LoRARequest, LoRATargetShapes
 from core_engine.proto.parameter_error import ParameterError
 
 # The parameter a refused adapter is blamed on (`ParameterError.param`).
@@ -27,8 +28,10 @@ class LoRACheckpointCache:
     (its files may have been fixed since).
     """
 
-    def __init__(self, shapes: LoRATargetShapes) -> None:
+    def __init__(self, shapes: LoRATargetShapes, param: str = LORA_REQUEST_PARAM) -> None:
+        """`param`: the request field a refusal is blamed on."""
         self.shapes = shapes
+        self.param = param
         self._key_to_config: dict[tuple[int, str], LoRAAdapterConfig] = {}
         self._id_to_path: dict[int, str] = {}
 
@@ -37,7 +40,8 @@ class LoRACheckpointCache:
 
     def check(self, lora_request: LoRARequest) -> LoRAAdapterConfig:
         """The adapter's config; ParameterError (param "lora_request") naming the adapter and
-        what is wrong with it: its id taken by another path, or a bad checkpoint."""
+        what is wrong with it (param `self.param`): its id taken by another path, or a bad
+        checkpoint."""
         key = (lora_request.lora_int_id, lora_request.lora_path)
         if (config := self._key_to_config.get(key)) is not None:
             return config
@@ -48,7 +52,7 @@ class LoRACheckpointCache:
             )
         except LoRACheckpointError as exc:
             raise ParameterError(
-                LORA_REQUEST_PARAM, f"LoRA adapter {lora_request.lora_name!r}: {exc}"
+                self.param, f"LoRA adapter {lora_request.lora_name!r}: {exc}"
             ) from exc
         self._id_to_path.setdefault(lora_request.lora_int_id, lora_request.lora_path)
         self._key_to_config[key] = config
@@ -58,7 +62,7 @@ class LoRACheckpointCache:
         known_path = self._id_to_path.get(lora_request.lora_int_id)
         if known_path is not None and known_path != lora_request.lora_path:
             raise ParameterError(
-                LORA_REQUEST_PARAM,
+                self.param,
                 f"LoRA adapter {lora_request.lora_name!r}: lora_int_id "
                 f"{lora_request.lora_int_id} already names the adapter at {known_path}, whose "
                 f"weights the engine keeps under that id; give {lora_request.lora_path} an id "
