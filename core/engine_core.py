@@ -78,11 +78,23 @@ class EngineCore:
         engine): schedules, runs the step (`run_step`, default the executor's
         `execute_model`), applies the sampled tokens. The outputs for clients, or None when
         there was no work (nothing was scheduled or run)."""
-        if not self.has_work:
+        scheduler_output = self.schedule_step()
+        if scheduler_output is None:
             return None
-        scheduler_output = self.scheduler.schedule()
         run_step = run_step or self.executor.execute_model
-        return self.scheduler.update_from_output(scheduler_output, run_step(scheduler_output))
+        return self.finish_step(scheduler_output, run_step(scheduler_output))
+
+    def schedule_step(self) -> SchedulerOutput | None:
+        """The next step's plan, or None when there is no work. Under async scheduling it may
+        be called again before the last plan's `finish_step`: output placeholders stand for
+        the tokens in flight (see `Scheduler`)."""
+        return self.scheduler.schedule() if self.has_work else None
+
+    def finish_step(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Applies a step's sampled tokens (steps finish in the order they were planned)."""
+        return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
@@ -132,6 +144,7 @@ def start_engine_core(config: EngineConfig, executor: Executor) -> tuple[EngineC
         enable_chunked_prefill=config.enable_chunked_prefill,
         speculative_config=config.speculative_config,
         max_loras=config.max_loras if config.enable_lora else 0,
+        async_scheduling=config.async_scheduling,
     )
     kv_cache_config = KVCacheConfig.for_layers(
         readies[0].layer_sliding_windows,

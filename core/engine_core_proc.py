@@ -107,6 +107,8 @@ class EngineCoreProc:
         self.ready: EngineReady | None = None  # what every client is greeted with
         self.lora_check: LoRAAdapterCheck | None = None  # set with `ready`
         self.step_trace = StepTrace.from_env()  # CORE_ENGINE_STEP_TRACE: one line per step
+        # Steps sent to the workers and not yet answered, oldest first, with when each was sent.
+        self.steps_in_flight: collections.deque[tuple[SchedulerOutput, float]] = collections.deque()
 
     def run(self, launched_by_frontend: bool = False) -> int:
         """Serves until stopped (0) or failed (1). A core `launched_by_frontend` ignores SIGINT
@@ -156,35 +158,53 @@ class EngineCoreProc:
     # ---- main thread: busy loop ------------------------------------------------------------
 
     def _run_busy_loop(self) -> None:
-        """Applies inputs, steps, sends outputs; forever (until an exception unwinds it)."""
+        """Applies inputs, plans and sends steps, applies their outputs and sends them to the
+        client; forever (until an exception unwinds it).
+
+        At most `max_steps_in_flight` steps are on the workers: one, or under async scheduling
+        two, the next planned and queued while the workers run the last (only behind a step
+        with tokens: an empty step, which may wait on a grammar, is answered before the next
+        is planned). The workers answer steps in the order they were sent.
+        """
         engine_core = self.engine_core
         self.poller.register(self.input_socket, zmq.POLLIN)
         self.poller.register(self.client_watch.monitor, zmq.POLLIN)
         for fd in self.executor.pipe_fds():
             self.poller.register(fd, zmq.POLLIN)
+        max_steps_in_flight = 2 if self.config.async_scheduling else 1
         while True:
             self._read_frontend()
             self._handle_client_events()
             while self.pending_inputs:
                 self._handle_input(self.pending_inputs.popleft())
-            outputs = engine_core.step(self._run_step_on_workers)
-            if outputs is None:
+            if len(self.steps_in_flight) < max_steps_in_flight:
+                scheduler_output = engine_core.schedule_step()
+                if scheduler_output is not None:
+                    self._send_step(scheduler_output)
+                    queue_another = scheduler_output.total_num_scheduled_tokens > 0
+                    if queue_another and len(self.steps_in_flight) < max_steps_in_flight:
+                        continue
+            if not self.steps_in_flight:
                 self._wait_for_frontend()
                 continue
-            if self.kv_event_log is not None:
-                outputs.kv_events = self.kv_event_log.take()
-            if outputs.outputs or outputs.kv_events is not None:
-                self._send(outputs)
+            self._finish_oldest_step()
 
-    def _run_step_on_workers(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """`EngineCore.step`'s model run here: the step goes to the workers, and the DEALER is
-        read while they run it (see `_wait_for_step`)."""
-        sent_s = time.monotonic()
+    def _send_step(self, scheduler_output: SchedulerOutput) -> None:
         self.executor.send_step(scheduler_output)
+        self.steps_in_flight.append((scheduler_output, time.monotonic()))
+
+    def _finish_oldest_step(self) -> None:
+        """Waits for the oldest step's output (reading the DEALER meanwhile, see
+        `_wait_for_step`), applies it and sends the client its outputs."""
+        scheduler_output, sent_s = self.steps_in_flight.popleft()
         model_output = self._wait_for_step()
         if self.step_trace is not None:
             self.step_trace.record(scheduler_output, sent_s, time.monotonic())
-        return model_output
+        outputs = self.engine_core.finish_step(scheduler_output, model_output)
+        if self.kv_event_log is not None:
+            outputs.kv_events = self.kv_event_log.take()
+        if outputs.outputs or outputs.kv_events is not None:
+            self._send(outputs)
 
     def _wait_for_frontend(self) -> None:
         """Blocks until the DEALER has a frame or a client arrives or departs. A worker's pipe
@@ -201,7 +221,7 @@ class EngineCoreProc:
                 return
 
     def _wait_for_step(self) -> ModelRunnerOutput:
-        """Rank 0's answer to the step just sent, reading the DEALER into `pending_inputs`
+        """Rank 0's answer to the oldest step in flight, reading the DEALER into `pending_inputs`
         meanwhile; WorkerFailedError if a worker fails or none answers within step_timeout_s."""
         timeout_s = self.config.step_timeout_s
         deadline = time.monotonic() + timeout_s
@@ -245,7 +265,9 @@ class EngineCoreProc:
 
     def _handle_client_events(self) -> None:
         """Departures abort what the departed client left; the client connected now, if it
-        has just arrived, is greeted. Called where no step is in flight."""
+        has just arrived, is greeted. Called between steps: a step still in flight (async
+        scheduling) comes back with tokens for aborted requests only, which the scheduler
+        drops, so nothing of the departed client's reaches the next."""
         self.client_watch.read_events()
         events = self.client_watch.take_events()
         for event in events:

@@ -58,6 +58,10 @@ class Request:
     `spec_token_ids`: draft tokens proposed for the next step (speculative decoding), never
     part of `all_token_ids` nor of any block hash; empty except between the drafter's
     proposal and the scheduling pass that ships them (or drops them).
+
+    `num_output_placeholders` (async scheduling): tokens sampled by steps still in flight, not
+    yet in `all_token_ids`; the workers know them, so the next step may already compute them.
+    At most 2 (the step running and the one queued behind it); 0 without async scheduling.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class Request:
             [] if sampling_params.prompt_logprobs is not None else None
         )
         self.spec_token_ids: list[int] = []
+        self.num_output_placeholders = 0
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[BlockHash] = []
@@ -102,6 +107,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens the workers hold: the real ones plus those sampled by steps in flight."""
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def num_tokens_with_spec(self) -> int:

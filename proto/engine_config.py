@@ -77,6 +77,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     shutdown_timeout_s: float = 5.0
     max_frame_bytes: int = 64 * 1024 * 1024
     enforce_eager: bool = False
+    async_scheduling: bool = False
     disable_hybrid_kv_cache: bool = False
     distributed_executor_backend: str = "mp"
     data_parallel_backend: str = "mp"
@@ -151,6 +152,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         )
         self._check_unchunked_prefill()
         self._check_lora()
+        self._check_async_scheduling()
         _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("startup_timeout_s", "step_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
@@ -191,6 +193,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         )
         if transfer is not None and transfer.kv_connector == TCP_CONNECTOR:
             self._check_tcp_connector(transfer)
+
+    def _check_async_scheduling(self) -> None:
+        """Async scheduling plans a step before the last one's tokens are back: drafts (made
+        from those tokens) and KV connectors (which ship blocks by the finished requests' last
+        tokens) would read a history one token short, so neither runs with it."""
+        if not self.async_scheduling:
+            return
+        _check(
+            self.speculative_config is None,
+            "async_scheduling cannot run with speculative_config (drafts are proposed from the "
+            "tokens of the step in flight): drop --async-scheduling or --speculative-config",
+        )
+        _check(
+            self.kv_transfer_config is None,
+            "async_scheduling cannot run with a KV connector (kv_transfer_config or "
+            "kv_offloading_size): drop --async-scheduling or the connector",
+        )
 
     def _check_lora(self) -> None:
         """vLLM's limits: at least one adapter per step, a positive rank, and at least as many
@@ -493,6 +512,10 @@ FIELD_HELP = {
     "max_cpu_loras": (
         "LoRA adapters each worker keeps loaded in host memory, least recently used evicted "
         "(None: max_loras)"
+    ),
+    "async_scheduling": (
+        "plan step N+1 while the workers run step N (vLLM's async scheduling): the host's "
+        "scheduling and IPC leave the step's critical path"
     ),
     "enforce_eager": (
         "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"

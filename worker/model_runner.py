@@ -85,6 +85,10 @@ class ModelRunner:
     and keeps its state until it comes back or is listed in `finished_req_ids`. A constrained
     request's grammar is compiled from `grammars_to_prepare`, before the request is scheduled; a
     step reports the compiles that ended (see `worker.structured_outputs`).
+
+    `async_scheduling`: the tokens a step samples join their requests' history here at once,
+    since the next step (planned before they reached the scheduler) already computes them; the
+    scheduler then never sends them back in `CachedRequestData.new_token_ids`.
     """
 
     def __init__(
@@ -101,8 +105,10 @@ class ModelRunner:
         structured_outputs: StructuredOutputManager | None = None,
         kv_cache_groups: Sequence[KVCacheGroup] = (),
         lora_manager: LoRAManager | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.model = model
+        self.async_scheduling = async_scheduling
         self.lora_manager = lora_manager
         self.structured_outputs = structured_outputs
         self.device = device
@@ -141,7 +147,18 @@ class ModelRunner:
         hidden_states = self._forward(inputs)
         output = self._sample(hidden_states, inputs)
         output.prompt_logprobs = self._prompt_logprobs(hidden_states, inputs)
+        if self.async_scheduling:
+            self._append_sampled_tokens(output)
         return self._report_compiled_grammars(output)
+
+    def _append_sampled_tokens(self, output: ModelRunnerOutput) -> None:
+        """Async scheduling: each sampled token joins its request's history now (a request
+        the step failed gets none: it is finished)."""
+        batch = self.input_batch
+        for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids, strict=True):
+            if token_ids and req_id not in output.request_errors:
+                state = self.requests[req_id]
+                self._append_token_ids(state, batch.req_id_to_row[req_id], token_ids)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model's forward over the step's tokens, each through its request's adapter."""
@@ -248,9 +265,9 @@ class ModelRunner:
                 "received it as new (or it already finished)"
             )
         state.num_computed_tokens = cached_req.num_computed_tokens
-        state.output_token_ids.extend(cached_req.new_token_ids)
-        if self.structured_outputs is not None:
-            self.structured_outputs.accept_tokens(cached_req.req_id, cached_req.new_token_ids)
+        batch = self.input_batch
+        row = batch.req_id_to_row.get(cached_req.req_id)
+        self._append_token_ids(state, row, cached_req.new_token_ids)
         if cached_req.resumed_from_preemption:
             state.block_ids = [
                 list(group_block_ids) for group_block_ids in cached_req.new_block_ids
@@ -259,17 +276,27 @@ class ModelRunner:
             for held, new in zip(state.block_ids, cached_req.new_block_ids, strict=True):
                 held.extend(new)
 
-        batch = self.input_batch
-        row = batch.req_id_to_row.get(cached_req.req_id)
         if row is None:
             batch.add_request(state)
             return
-        batch.append_token_ids(row, cached_req.new_token_ids)
         batch.num_computed_tokens[row] = cached_req.num_computed_tokens
         if cached_req.resumed_from_preemption:
             batch.block_table.add_row(cached_req.new_block_ids, row)
         else:
             batch.block_table.append_row(cached_req.new_block_ids, row)
+
+    def _append_token_ids(
+        self, state: CachedRequestState, row: int | None, token_ids: list[int]
+    ) -> None:
+        """Extends a request's history (and its batch row, `row` None: not in the batch) and
+        advances its grammar."""
+        if not token_ids:
+            return
+        state.output_token_ids.extend(token_ids)
+        if self.structured_outputs is not None:
+            self.structured_outputs.accept_tokens(state.req_id, token_ids)
+        if row is not None:
+            self.input_batch.append_token_ids(row, token_ids)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         batch = self.input_batch

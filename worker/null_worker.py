@@ -28,7 +28,8 @@ NULL_MAX_NUM_BLOCKS = 1 << 20
 
 @dataclass(slots=True)
 class NullRequestState:
-    """Invariant: `num_tokens` counts the prompt plus every token the scheduler sent back."""
+    """Invariant: `num_tokens` counts the prompt plus every token the scheduler sent back
+    (under async scheduling: every token sampled here, which the scheduler never sends)."""
 
     num_tokens: int
     num_logprobs: int | None
@@ -51,6 +52,7 @@ class NullWorker:
         self.eos_token_ids: list[int] = []
         self.num_gpu_blocks: int | None = None
         self.req_id_to_state: dict[str, NullRequestState] = {}
+        self.async_scheduling = config.async_scheduling
         # No KV, so no KV connector (EngineConfig refuses one for the null model).
         self.kv_connector_handshake = None
         # No linears: with enable_lora, an adapter can target nothing here.
@@ -110,6 +112,8 @@ class NullWorker:
             sampled = _verify_null_drafts(drafts) if done_prompt else []
             output.req_ids.append(req_id)
             output.sampled_token_ids.append(sampled)
+            if self.async_scheduling:
+                state.num_tokens += len(sampled)
             wants_logprobs = done_prompt and state.num_logprobs is not None
             any_logprobs |= wants_logprobs
             logprobs.append(

@@ -325,6 +325,7 @@ class Worker:
             ),
             kv_cache_groups=self.kv_cache_groups,
             lora_manager=self.lora_manager,
+            async_scheduling=self.config.async_scheduling,
         )
 
     def _resolve_max_model_len(self) -> int:

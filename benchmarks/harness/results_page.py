@@ -46,6 +46,7 @@ short run:
 | offline | `python -m benchmarks.offline --peer vllm llama-server` | `LLM.generate` throughput against transformers, vLLM's `LLM.generate` and llama.cpp's `llama-server` on the same token-id workloads, alternating with the engine |
 | serving | `python -m benchmarks.serving --peer vllm` (`--client vllm`: vLLM's own `vllm bench serve`) | `core-serve` under Poisson load against `vllm serve`; `benchmarks.serving.profile`: where serving time goes |
 | one user | `python -m benchmarks.serving.one_user` | one user at a time and a burst: `core-serve` (dequantized and `--quantization gguf`), llama.cpp's `llama-server` and `vllm serve`, all under `vllm bench serve` |
+| async scheduling | `python -m benchmarks.serving.async_scheduling` | `core-serve` with and without `--async-scheduling` (quantized and dequantized weights), alternating, under `vllm bench serve`; greedy completions compared |
 | LoRA | `python -m benchmarks.serving.lora` | four PEFT adapters beside the base model on `core-serve` and `vllm serve --enable-lora`: saturation and batch 1, with and without adapters |
 | speculative decoding | `python -m benchmarks.spec_decode --methods ngram suffix --peer vllm` | TPOT and output tok/s with and without drafts at batch 1, 4, 16 and saturation, acceptance, greedy tokens unchanged; `benchmarks.spec_decode.replay` replays drafters over recorded replies |
 | KV cache | `python -m benchmarks.kv.offloading`, `.prefix_cache`, `.memory` | host and disk tiers on multi-turn chats, prefix caching's time to first token, KV bytes per model shape |

@@ -83,6 +83,15 @@ class Scheduler:
     stays 0: it reserves slots for tokens a proposer in the worker would write after the step
     (EAGLE), and drafts proposed here need none beyond their own.
 
+    Async scheduling (`config.async_scheduling`): `schedule()` may run again before the last
+    step's output is back. A request that samples in a step gets an output placeholder
+    (`Request.num_output_placeholders`) until `update_from_output` brings the token, and the
+    next step already computes it: the workers append the tokens they sample themselves, so
+    they are never sent back. A request whose pending tokens reach `max_tokens` or
+    `max_model_len` is not scheduled again; one that stops early (eos, a stop token) may have
+    one step scheduled past its end, whose token is dropped (its KV went into a slot past the
+    request's tokens, in a block that was never hashed, so no prefix hit can read it).
+
     `connector` (see `core.kv_connector.kv_connector_base`) extends a waiting request's prefix
     hit with tokens from beyond the pool; while they load the request waits in
     WAITING_FOR_REMOTE_KVS (`external_kv`), and the other requests keep stepping.
@@ -265,14 +274,35 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if self.config.async_scheduling and self._samples_this_step(request):
+                request.num_output_placeholders += 1
         self.num_steps += 1
         return output
+
+    @staticmethod
+    def _samples_this_step(request: Request) -> bool:
+        """Whether a request just scheduled reaches its last known token (placeholders
+        included): the workers then sample its next one."""
+        return request.num_computed_tokens == request.num_known_tokens
+
+    def _last_token_is_pending(self, request: Request) -> bool:
+        """Async scheduling: the tokens still in flight end the request by length, so
+        another step would compute a token nobody may see."""
+        num_pending = request.num_output_placeholders
+        if not num_pending:
+            return False
+        max_tokens = request.max_tokens
+        if max_tokens is not None and request.num_output_tokens + num_pending >= max_tokens:
+            return True
+        return request.num_tokens + num_pending >= self.max_model_len
 
     def _num_tokens_to_schedule(
         self, request: Request, num_computed_tokens: int, budget: int
     ) -> int:
-        num_new_tokens = request.num_tokens_with_spec - num_computed_tokens
+        num_new_tokens = request.num_tokens_with_spec + request.num_output_placeholders
+        num_new_tokens -= num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -293,14 +323,14 @@ class Scheduler:
             num_new_tokens = self._num_tokens_to_schedule(
                 request, request.num_computed_tokens, plan.token_budget
             )
-            if num_new_tokens <= 0:
+            if num_new_tokens <= 0 or self._last_token_is_pending(request):
                 index += 1
                 continue
             allocation = self._allocate_running(request, num_new_tokens, plan)
             if allocation is None:
                 break
             new_blocks, num_new_tokens = allocation
-            num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            num_drafts = request.num_computed_tokens + num_new_tokens - request.num_known_tokens
             if num_drafts > 0:
                 plan.spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             plan.running_reqs.append(request)
@@ -317,7 +347,8 @@ class Scheduler:
         last first, to what the free blocks hold, never preempting anyone for a draft; the
         real tokens then preempt as usual. Returns (new blocks, tokens scheduled), or None
         if the request itself was preempted."""
-        num_drafts = max(0, request.num_computed_tokens + num_new_tokens - request.num_tokens)
+        num_drafts = request.num_computed_tokens + num_new_tokens - request.num_known_tokens
+        num_drafts = max(0, num_drafts)
         for num_cut in range(num_drafts):
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens - num_cut)
             if new_blocks is not None:
@@ -540,6 +571,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if not sampled_token_ids or request is None or request.is_finished():
                 continue
+            if self.config.async_scheduling:
+                request.num_output_placeholders -= len(sampled_token_ids)
+            # Async scheduling only: preempted while this step ran, the request still gets
+            # its token (and may end with it while in the waiting queue).
+            was_preempted = request.status == RequestStatus.PREEMPTED
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
                 num_accepted = roll_back_rejected_drafts(request, drafts, sampled_token_ids)
@@ -563,8 +599,13 @@ class Scheduler:
                 )
             )
             request.prompt_logprobs = None  # sent with the first output
+            if self.config.async_scheduling:  # the workers appended them when they sampled
+                self._num_tokens_sent[request_id] = request.num_tokens
             if request.is_finished():
-                stopped_ids.add(request_id)
+                if was_preempted:
+                    self.waiting.remove_requests([request])
+                else:
+                    stopped_ids.add(request_id)
                 outputs[-1].kv_transfer_params = self._free_request(request)
         if stopped_ids:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]

@@ -21,6 +21,8 @@ class SchedulerConfig:
     whose remaining budget holds all of it, so the budget must hold max_model_len tokens.
     `speculative_config`: how running requests draft tokens to verify (None: they do not).
     `max_loras`: most distinct LoRA adapters among running requests (0: LoRA off).
+    `async_scheduling`: a step may be planned while the previous one runs (output
+    placeholders stand for its tokens; see `Scheduler`).
     """
 
     max_num_seqs: int = 256
@@ -34,6 +36,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     speculative_config: SpeculativeConfig | None = None
     max_loras: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -48,6 +51,11 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not self.enable_chunked_prefill:
             self._check_unchunked_prefill()
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(
+                "async_scheduling cannot run with speculative_config: drafts are proposed from "
+                "the tokens of the step in flight"
+            )
 
     def _check_unchunked_prefill(self) -> None:
         if self.long_prefill_token_threshold:

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.harness import proc_stats
 from benchmarks.peers.vllm_bench_client import SATURATION, bench_serve_argv, summary
-from benchmarks.serving import lora, one_user
+from benchmarks.serving import async_scheduling, lora, one_user
 from benchmarks.serving import vllm_client as serving_vllm_client
 from benchmarks.serving.profile import step_stats
 from core_engine.core.step_trace import StepRecord
@@ -150,6 +150,36 @@ def test_greedy_agreement_counts_identical_completions_and_common_prefixes():
     result = one_user.agreement(["abcd", "same", "xy"], ["abXX", "same", "q"])
     assert result["identical"] == 1 and result["total"] == 3
     assert math.isclose(result["mean_common_prefix"], (0.5 + 1.0 + 0.0) / 3)
+
+
+# ---- async scheduling on and off (benchmarks/serving/async_scheduling.py) on fake results ----
+
+
+def test_async_scheduling_ratios_are_on_over_off_per_pass_and_their_median():
+    def setting(tpot: float, throughput: float) -> dict:
+        row = {"summary": summary(fake_result(throughput, 300.0, tpot))}
+        return {"one user": row, "saturation": row}
+
+    passes = [
+        {"off": setting(10.0, 100.0), "on": setting(9.0, 110.0)},
+        {"off": setting(10.0, 100.0), "on": setting(8.0, 130.0)},
+        {"off": setting(10.0, 100.0), "on": setting(12.0, 90.0)},
+    ]
+    medians = async_scheduling.median_ratios(passes)
+    assert medians["TPOT p50, one user"] == pytest.approx(0.9)
+    assert medians["output tok/s, saturation"] == pytest.approx(1.1)
+    assert medians["TTFT p50, one user"] == pytest.approx(1.0)
+    result = {
+        "machine": {"processor": "cpu", "num_cpus": 2, "memory_gib": 24.0,
+                    "load_average_1m": 0.0, "python": "3", "git_commit": "x",
+                    "date_utc": "now", "cpu_simd": "AVX2"},
+        "client": "vllm bench serve", "threads": 2, "dtype": "float32", "passes_per_engine": 3,
+        "engines": {"gguf": {"passes": passes, "median_ratios": medians,
+                             "identical_greedy": False}},
+    }  # fmt: skip
+    markdown = async_scheduling.render_markdown(result)
+    assert "| 2 | on | 8.00 |" in markdown
+    assert "TPOT p50, one user 0.90" in markdown and "NOT identical" in markdown
 
 
 # ---- the LoRA serving comparison (benchmarks/serving/lora.py) on fake results ----------------

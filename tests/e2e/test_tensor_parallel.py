@@ -352,9 +352,12 @@ async def final_output(queue: asyncio.Queue) -> tuple[list[int], EngineCoreOutpu
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_two_ranks_size_the_kv_cache_to_the_smallest_rank_and_decode_like_one_device(
-    llama_8_heads,
+    llama_8_heads, async_scheduling
 ):
+    """With async scheduling every rank appends the tokens it sampled itself (rank 0's are the
+    ones reported): their histories, and so the tokens, stay the same."""
     # 4 KV heads over 2 ranks: 2 per rank.
     budgets = ",".join(str(n * kv_bytes_per_block(2)) for n in RANK_TO_NUM_BLOCKS)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
@@ -364,6 +367,7 @@ def test_two_ranks_size_the_kv_cache_to_the_smallest_rank_and_decode_like_one_de
         device="cpu",
         dtype="float32",
         tensor_parallel_size=2,
+        async_scheduling=async_scheduling,
         **ENGINE_LIMITS,
     )
 
@@ -384,7 +388,10 @@ def test_two_ranks_size_the_kv_cache_to_the_smallest_rank_and_decode_like_one_de
         results = loop.run_until_complete(scenario())
 
     single_device = msgspec.structs.replace(
-        config, tensor_parallel_size=1, num_gpu_blocks_override=min(RANK_TO_NUM_BLOCKS)
+        config,
+        tensor_parallel_size=1,
+        num_gpu_blocks_override=min(RANK_TO_NUM_BLOCKS),
+        async_scheduling=False,
     )
     expected = generate_token_ids(ENGINE_PROMPTS, single_device, sampling_params=params).results
     for (token_ids, output), reference in zip(results, expected, strict=True):
