@@ -124,6 +124,23 @@ def test_a_matmul_is_the_float32_sum_of_the_dequantized_products(kernel, type_na
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("k", [96, 288, 576])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_one_or_two_rows_sum_whole_groups_of_blocks_and_the_blocks_past_them(
+    kernel, type_name, k, rows
+):
+    """At one row Q8_0 scales 8 blocks at a time (the others block by block): k of 3 blocks
+    (no whole group), 9 (one group and one block) and 18 (SmolLM2's 576: two groups and two
+    blocks)."""
+    type_id = GGUF_MATMUL_TYPES[type_name]
+    weight, values = gguf_weight(type_id, rows=13, k=k, seed=k + rows)
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=generator)
+    bias = torch.randn(13, generator=generator)
+    assert_matmul(kernel, type_id, weight.matmul(x, bias), x, values, bias)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_integer_path_rounds_x_per_block_within_its_bound(kernel, type_name):
     """Blocks of zeros, of one outlier among small values, and of values at exact steps (which
     round without error, so the result is float32-exact there)."""
