@@ -12,7 +12,7 @@ from core_engine.common.math_utils import cdiv
 from core_engine.proto import SamplingParams
 from core_engine.proto.lora_request import LoRARequest
 from core_engine.worker.block_table import MultiGroupBlockTable
-from core_engine.worker.sample.sampler import RowPenalties, SamplingMetadata
+from core_engine.worker.sample.sampler import RowPenalties, SamplingFlags, SamplingMetadata
 
 
 @dataclass(slots=True)
@@ -201,6 +201,9 @@ class InputBatch:
                 for i, (row, p) in enumerate(zip(row_list, params, strict=True))
                 if p is not None and p.has_penalties
             },
+            flags=SamplingFlags.of(
+                self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows]
+            ),
         )
 
     def _row_penalties(self, row: int, params: SamplingParams, num_tokens: int) -> RowPenalties:

@@ -108,7 +108,7 @@ class RejectionSampler:
         raw_logprobs = raw_logprobs_if_needed(logits, metadata)
         logits = apply_logits_processors(logits, metadata)
         is_greedy = metadata.temperature == 0.0
-        probs = None if bool(is_greedy.all()) else target_probs(logits, metadata)
+        probs = None if metadata.get_flags().all_greedy else target_probs(logits, metadata)
         num_accepted = self._num_accepted(logits, probs, is_greedy, metadata, layout)
         final_tokens = self._final_tokens(logits, probs, is_greedy, metadata, layout, num_accepted)
         return _assemble(raw_logprobs, metadata, layout, num_accepted, final_tokens)

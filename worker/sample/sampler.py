@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from core_engine.proto import TokenLogprobs
@@ -36,6 +37,8 @@ class SamplingMetadata:
     `banned_token_ids[i]` lists tokens row i must not sample this step (eos before min_tokens).
     `logit_bias[i]` is (token ids, biases) added to row i's logits; `penalties[i]` row i's
     presence, frequency and repetition penalties with its prompt and output tokens so far.
+    `flags`: which of those the rows use, read on the host where the rows were gathered (None:
+    read from the tensors, which makes the host wait for the device).
     """
 
     temperature: torch.Tensor
@@ -47,10 +50,46 @@ class SamplingMetadata:
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
     logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     penalties: dict[int, RowPenalties] = field(default_factory=dict)
+    flags: SamplingFlags | None = None
 
     @property
     def num_rows(self) -> int:
         return int(self.temperature.shape[0])
+
+    def get_flags(self) -> SamplingFlags:
+        if self.flags is None:
+            self.flags = SamplingFlags.of(
+                self.temperature.cpu().numpy(),
+                self.top_k.cpu().numpy(),
+                self.top_p.cpu().numpy(),
+                self.min_p.cpu().numpy(),
+            )
+        return self.flags
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFlags:
+    """What a step's rows ask of the sampler, as host booleans: the sampler branches on these
+    without reading the device."""
+
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @staticmethod
+    def of(
+        temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray
+    ) -> SamplingFlags:
+        greedy = temperature == 0.0
+        return SamplingFlags(
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            any_top_k=bool((top_k > 0).any()),
+            any_top_p=bool((top_p < 1.0).any()),
+            any_min_p=bool((min_p > 0.0).any()),
+        )
 
 
 @dataclass(slots=True)
@@ -81,12 +120,13 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = raw_logprobs_if_needed(logits, metadata)
         logits = apply_logits_processors(logits, metadata)
-        is_greedy = metadata.temperature == 0.0
-        if bool(is_greedy.all()):
+        flags = metadata.get_flags()
+        if flags.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = self.random_sample(target_probs(logits, metadata), metadata.generators)
-            if bool(is_greedy.any()):
+            if flags.any_greedy:
+                is_greedy = metadata.temperature == 0.0
                 sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
         logprobs = gather_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
@@ -134,8 +174,11 @@ def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     softmax after temperature (greedy rows: 1), min-p, top-k and top-p."""
     temperature = torch.where(metadata.temperature == 0.0, 1.0, metadata.temperature)
     logits = logits / temperature[:, None]
-    logits = _apply_min_p(logits, metadata.min_p)
-    logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    flags = metadata.get_flags()
+    if flags.any_min_p:
+        logits = _apply_min_p(logits, metadata.min_p)
+    if flags.any_top_k or flags.any_top_p:
+        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, flags)
     return torch.softmax(logits, dim=-1)
 
 
@@ -203,22 +246,18 @@ def _mask_banned(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drops tokens whose probability is below `min_p` times the row's highest probability."""
-    if not bool((min_p > 0.0).any()):
-        return logits
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, flags: SamplingFlags
 ) -> torch.Tensor:
     """Keeps each row's `top_k` best tokens (0 = all), then the smallest best-first prefix whose
-    probability mass reaches `top_p`; the best token always survives. Ties break by sort order."""
-    use_top_k = bool((top_k > 0).any())
-    use_top_p = bool((top_p < 1.0).any())
-    if not (use_top_k or use_top_p):
-        return logits
+    probability mass reaches `top_p`; the best token always survives. Ties break by sort order.
+    `flags` says whether any row uses either."""
+    use_top_k, use_top_p = flags.any_top_k, flags.any_top_p
     vocab_size = logits.shape[-1]
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab_size, device=logits.device)[None, :]
