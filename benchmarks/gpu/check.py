@@ -13,7 +13,8 @@ recorded with its outcome even when an earlier one failed:
    in the same run, tensor-core prefill against SDPA's flash kernel;
 3. the engine end to end on random weights of SmolLM2-135M and Llama-3.2-1B shapes made on the
    machine (benchmarks/gpu/engine_check.py): greedy tokens of the CUDA kernels equal to the torch
-   reference backend's, and offline throughput at batch 256;
+   reference backend's, and offline throughput at batch 256 with and without async scheduling
+   (same tokens required);
 4. `compute-sanitizer` memcheck and racecheck over one small case of each kernel
    (benchmarks/gpu/sanitize_cases.py);
 5. the report: gpu_report.md and gpu_report.json (GPU, driver, versions, every figure and
@@ -380,7 +381,20 @@ def engine_summary(figures: dict) -> str:
             f"{throughput['num_prompts']} ({throughput['prompt_len']} in / "
             f"{throughput['max_tokens']} out)"
         )
+        text += _async_summary(throughput)
     return text
+
+
+def _async_summary(throughput: dict) -> str:
+    """The async-scheduling run beside the plain one (absent in figures of older kits)."""
+    on = throughput.get("async_scheduling")
+    if on is None:
+        return ""
+    same = "same tokens" if throughput["async_equal"] else "tokens DIFFER"
+    return (
+        f", {on['output_tok_s']:.0f} with async scheduling "
+        f"({on['output_tok_s'] / throughput['output_tok_s']:.2f}x, {same})"
+    )
 
 
 # ---- the environment and the report -----------------------------------------------------------
@@ -545,7 +559,7 @@ def _engine_lines(name: str, figures: dict) -> list[str]:
             f"Offline: {throughput['num_prompts']} prompts x {throughput['prompt_len']} tokens "
             f"in, {throughput['max_tokens']} out: {throughput['elapsed_s']:.2f} s, "
             f"{throughput['output_tok_s']:.0f} output tok/s, "
-            f"{throughput['total_tok_s']:.0f} total tok/s",
+            f"{throughput['total_tok_s']:.0f} total tok/s" + _async_summary(throughput),
         ]
     return lines
 

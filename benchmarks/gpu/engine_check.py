@@ -10,7 +10,8 @@
    device's kernels and on the torch reference backend; every token must be equal.
 3. Throughput: `LLM.generate` (the engine processes a user starts) on 256 prompts of 128
    random token ids, 128 greedy tokens each (ignore_eos), in the device's default dtype,
-   after a warm-up workload.
+   after a warm-up workload; once without and once with `async_scheduling` (the core plans
+   the next step while the device runs this one), whose greedy tokens must be the same.
 
 Writes the figures as JSON (`--out`) and exits 1 when the tokens differ. The `tiny` shape runs
 the same steps in seconds on a CPU (the GPU kit's dry run).
@@ -264,8 +265,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return count
 
 
-def offline_throughput(folder: Path, shape: dict, device: str, workloads: Workloads) -> dict:
-    """Output tokens per second of `LLM.generate` over the workload, after a warm-up."""
+def offline_throughput(
+    folder: Path, shape: dict, device: str, workloads: Workloads, async_scheduling: bool = False
+) -> tuple[dict, list[list[int]]]:
+    """Output tokens per second of `LLM.generate` over the workload, after a warm-up, and the
+    tokens of every prompt."""
     from core_engine.frontend import LLM
 
     prompts = random_prompts(
@@ -277,6 +281,7 @@ def offline_throughput(folder: Path, shape: dict, device: str, workloads: Worklo
         device=device,
         max_num_seqs=workloads.num_prompts,
         max_model_len=workloads.max_model_len,
+        async_scheduling=async_scheduling,
     ) as llm:
         warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         llm.generate(prompts[:8], warm_up, use_tqdm=False)
@@ -287,7 +292,7 @@ def offline_throughput(folder: Path, shape: dict, device: str, workloads: Worklo
     expected = workloads.num_prompts * workloads.max_tokens
     if num_output != expected:
         raise RuntimeError(f"the engine returned {num_output} tokens, asked {expected}")
-    return {
+    figures = {
         "num_prompts": workloads.num_prompts,
         "prompt_len": workloads.prompt_len,
         "max_tokens": workloads.max_tokens,
@@ -295,6 +300,20 @@ def offline_throughput(folder: Path, shape: dict, device: str, workloads: Worklo
         "output_tok_s": num_output / elapsed_s,
         "total_tok_s": (num_output + workloads.num_prompts * workloads.prompt_len) / elapsed_s,
     }
+    return figures, [output.outputs[0].token_ids for output in outputs]
+
+
+def throughput_with_and_without_async_scheduling(
+    folder: Path, shape: dict, device: str, workloads: Workloads
+) -> dict:
+    """`offline_throughput` off, then on; the second's figures under "async_scheduling", with
+    whether every prompt's tokens were the same ("async_equal")."""
+    figures, tokens = offline_throughput(folder, shape, device, workloads)
+    figures["async_scheduling"], async_tokens = offline_throughput(
+        folder, shape, device, workloads, async_scheduling=True
+    )
+    figures["async_equal"] = async_tokens == tokens
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,11 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         result["parity"] = greedy_parity(folder, shape, args.device, workloads)
         print(f"greedy parity (float32, kernels vs torch reference): {result['parity']}")
         if not args.skip_throughput:
-            result["throughput"] = offline_throughput(folder, shape, args.device, workloads)
+            result["throughput"] = throughput_with_and_without_async_scheduling(
+                folder, shape, args.device, workloads
+            )
             print(f"offline throughput: {result['throughput']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["parity"]["equal"] else 1
+    async_equal = result.get("throughput", {}).get("async_equal", True)
+    return 0 if result["parity"]["equal"] and async_equal else 1
 
 
 if __name__ == "__main__":

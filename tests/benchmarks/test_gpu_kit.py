@@ -57,6 +57,9 @@ def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
     assert engine["status"] == "passed", engine
     assert engine["figures"]["parity"]["equal"]
     assert engine["figures"]["throughput"]["output_tok_s"] > 0
+    assert engine["figures"]["throughput"]["async_scheduling"]["output_tok_s"] > 0
+    assert engine["figures"]["throughput"]["async_equal"]
+    assert "with async scheduling" in engine["summary"]
     assert report["environment"]["torch"] == torch.__version__
     # What comes back from the GPU machine: at most 8 files, none in a subfolder.
     files = list(out.iterdir())
