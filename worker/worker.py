@@ -50,7 +50,9 @@ class Worker:
     rendezvous from `MASTER_ADDR`/`MASTER_PORT`) unless the caller already did, and from then on
     every rank must get the same calls in the same order (each forward runs collectives).
     Every rank sees full logits and samples, but only rank 0's samples are meant to be used;
-    other ranks take token history from `CachedRequestData.new_token_ids`.
+    other ranks take token history from `CachedRequestData.new_token_ids`, or under async
+    scheduling from their own samples, which equal rank 0's (the same logits, sampler seed and
+    request generators on every rank).
     `kv_cache_memory_bytes` replaces the CPU KV budget (default min(4 GiB, 40% of MemAvailable)).
     The config's `max_num_batched_tokens` None takes DEFAULT_MAX_NUM_BATCHED_TOKENS for the device,
     raised to max_model_len (once known, in `load_model`) when chunked prefill is off.
