@@ -92,6 +92,13 @@ def test_cpu_default_dtype_follows_native_bf16(monkeypatch, flags, expected, sim
     assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
 
 
+def test_cuda_defaults_to_bfloat16_and_float32_where_asked():
+    cuda = torch.device("cuda", 0)  # a name only: resolve_dtype touches no device
+    assert resolve_dtype(None, cuda) == torch.bfloat16
+    assert resolve_dtype("float32", cuda) == torch.float32
+    assert resolve_dtype(None, cuda, quantization="gguf") == torch.float32  # its kernels
+
+
 def test_arm_features_line_is_read():
     cpuinfo = "processor\t: 0\nFeatures\t: fp asimd bf16 sve\n"
     assert parse_cpu_flags(cpuinfo) == {"fp", "asimd", "bf16", "sve"}
