@@ -13,6 +13,7 @@ from core_engine.proto import SamplingParams
 from core_engine.proto.lora_request import LoRARequest
 from core_engine.worker.block_table import MultiGroupBlockTable
 from core_engine.worker.sample.sampler import RowPenalties, SamplingFlags, SamplingMetadata
+from core_engine.worker.step_transfer import StepTransfer
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
+        self.sampling_transfer = StepTransfer(device)  # sampling parameters in one copy
         self.eos_token_ids = list(eos_token_ids)
         max_num_blocks_per_req = cdiv(max_model_len, block_size)
         self.block_table = MultiGroupBlockTable(
@@ -181,11 +183,14 @@ class InputBatch:
         if num_draft_prefix is not None:
             history = history + num_draft_prefix
         history_list = history.tolist()
+        temperature, top_k, top_p, min_p = self.sampling_transfer.send(
+            [self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows]]
+        )
         return SamplingMetadata(
-            temperature=self._to_device(self.temperature[rows]),
-            top_k=self._to_device(self.top_k[rows]),
-            top_p=self._to_device(self.top_p[rows]),
-            min_p=self._to_device(self.min_p[rows]),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             generators={
                 i: self.generators[row] for i, row in enumerate(row_list) if row in self.generators
             },

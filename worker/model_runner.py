@@ -22,6 +22,7 @@ from core_engine.proto import (
 from core_engine.worker.input_batch import CachedRequestState, InputBatch
 from core_engine.worker.sample.rejection_sampler import RejectionSampler
 from core_engine.worker.sample.sampler import Sampler, SamplingMetadata
+from core_engine.worker.step_transfer import StepTransfer
 from core_engine.worker.structured_outputs import StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -130,6 +131,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed=seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
+        self.step_transfer = StepTransfer(device)  # the step's inputs in one copy
 
     def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -313,33 +315,49 @@ class ModelRunner:
         num_tokens_with_drafts = batch.num_tokens[:num_reqs] + num_drafts
         self._check_scheduled_tokens_exist(seq_lens, num_tokens_with_drafts)
         self._check_drafts_are_verified(seq_lens, num_tokens_with_drafts, num_scheduled)
-        seq_lens_device = self._to_device(seq_lens.astype(np.int32))
-        query_start_loc = self._to_device(np.concatenate([[0], cu_num_scheduled]).astype(np.int32))
+        sample_rows = np.flatnonzero((seq_lens == num_tokens_with_drafts) & (num_scheduled > 0))
+        num_verified = num_drafts[sample_rows] + 1
+        logits_indices = np.repeat(cu_num_scheduled[sample_rows] - num_verified, num_verified)
+        logits_indices += concatenated_ranges(num_verified)
+        tables = batch.block_table.block_tables
+        (
+            input_ids,
+            positions_device,
+            logits_indices_device,
+            seq_lens_device,
+            query_start_loc,
+            *slot_mappings,
+        ) = self.step_transfer.send(
+            [
+                batch.token_ids[req_rows, positions].astype(np.int64),
+                positions,
+                logits_indices,
+                seq_lens.astype(np.int32),
+                np.concatenate([[0], cu_num_scheduled]).astype(np.int32),
+                *(table.compute_slot_mapping(req_rows, positions) for table in tables),
+            ]
+        )
         group_metadata = [
             AttentionMetadata(
-                slot_mapping=self._to_device(table.compute_slot_mapping(req_rows, positions)),
+                slot_mapping=slot_mapping,
                 block_table=table.commit(num_reqs),
                 seq_lens=seq_lens_device,
                 query_start_loc=query_start_loc,
                 max_query_len=int(num_scheduled.max()),
                 max_seq_len=int(seq_lens.max()),
             )
-            for table in batch.block_table.block_tables
+            for table, slot_mapping in zip(tables, slot_mappings, strict=True)
         ]
         if len(group_metadata) == 1:
             metadata: StepMetadata = group_metadata[0]
         else:
             metadata = [group_metadata[group] for group in self.layer_to_group]
-        sample_rows = np.flatnonzero((seq_lens == num_tokens_with_drafts) & (num_scheduled > 0))
-        num_verified = num_drafts[sample_rows] + 1
-        logits_indices = np.repeat(cu_num_scheduled[sample_rows] - num_verified, num_verified)
-        logits_indices += concatenated_ranges(num_verified)
         return StepInputs(
-            input_ids=self._to_device(batch.token_ids[req_rows, positions].astype(np.int64)),
-            positions=self._to_device(positions),
+            input_ids=input_ids,
+            positions=positions_device,
             metadata=metadata,
             sample_rows=sample_rows,
-            logits_indices=self._to_device(logits_indices),
+            logits_indices=logits_indices_device,
             num_scheduled=num_scheduled,
             num_draft_tokens=num_drafts,
             first_token=cu_num_scheduled - num_scheduled,
