@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from core_engine.proto.parameter_error import ParameterError
+
 
 class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """Validated on construction and on decode; at most one of `do_remote_decode` (asked of a
@@ -69,13 +71,16 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_u
 
     @classmethod
     def parse(cls, value: dict[str, Any] | KVTransferParams | None) -> KVTransferParams | None:
-        """From a JSON object (a request body's field); ValueError names the bad field."""
+        """From a JSON object (a request body's field); ParameterError ("kv_transfer_params",
+        a 400 for an HTTP client) says what in it is wrong."""
         if value is None or isinstance(value, KVTransferParams):
             return value
         try:
             return msgspec.convert(value, cls)
         except msgspec.ValidationError as exc:
-            raise ValueError(f"kv_transfer_params is invalid: {exc}") from exc
+            raise ParameterError(
+                "kv_transfer_params", f"kv_transfer_params is invalid: {exc}"
+            ) from exc
 
     def to_json_object(self) -> dict[str, Any]:
         """The response field: every field set (defaults left out)."""

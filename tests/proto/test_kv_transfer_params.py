@@ -16,6 +16,7 @@ from core_engine.proto import EngineCoreOutput, SamplingParams
 from core_engine.proto.engine_config import EngineConfig
 from core_engine.proto.kv_transfer import KVTransferConfig
 from core_engine.proto.kv_transfer_params import KVTransferParams
+from core_engine.proto.parameter_error import ParameterError
 
 REMOTE = {
     "do_remote_prefill": True,
@@ -51,9 +52,17 @@ def test_remote_prefill_params_parse_and_survive_the_wire_inside_sampling_params
     ],
 )
 def test_bad_params_are_refused_naming_the_field(change, message):
-    with pytest.raises(ValueError, match="kv_transfer_params") as info:
+    with pytest.raises(ParameterError, match="kv_transfer_params") as info:
         KVTransferParams.parse({**REMOTE, **change})
     assert info.match(message)
+    assert info.value.param == "kv_transfer_params"  # a 400 naming the field, never a 500
+
+
+def test_an_unknown_field_alone_is_a_parameter_error():
+    """Found by the server's fuzz test: an object of unknown fields only was a 500."""
+    with pytest.raises(ParameterError, match="unknown field `logits_processors`") as info:
+        KVTransferParams.parse({"logits_processors": [False]})
+    assert info.value.param == "kv_transfer_params"
 
 
 def test_kv_transfer_params_need_one_sequence():
