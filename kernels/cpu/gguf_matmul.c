@@ -317,11 +317,11 @@ static inline __m256i four_totals(__m256i a, __m256i b, __m256i c, __m256i d) {
     return _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
 }
 
-// The float16 at byte `offset` of each of 8 consecutive blocks (their d), as float lanes.
-static inline __m256 group_halves(const uint8_t* first_block, int64_t block_bytes, int offset) {
+// The scale d (the float16 each block starts with) of 8 consecutive blocks, as float lanes.
+static inline __m256 group_scales(const uint8_t* first_block, int64_t block_bytes) {
     __m128i halves = _mm_setzero_si128();
 #define HALF_AT(t) \
-    halves = _mm_insert_epi16(halves, *(const uint16_t*)(first_block + (t) * block_bytes + offset), t)
+    halves = _mm_insert_epi16(halves, *(const uint16_t*)(first_block + (t) * block_bytes), t)
     HALF_AT(0); HALF_AT(1); HALF_AT(2); HALF_AT(3); HALF_AT(4); HALF_AT(5); HALF_AT(6); HALF_AT(7);
 #undef HALF_AT
     return _mm256_cvtph_ps(halves);
@@ -366,7 +366,7 @@ static inline __attribute__((always_inline)) void int16_column_grouped(const int
         const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
                                                 _mm256_permute2x128_si256(low, high, 0x31));
         const __m256 scale =
-            _mm256_mul_ps(group_halves(first, block_bytes, 0), _mm256_loadu_ps(x_scales + b));
+            _mm256_mul_ps(group_scales(first, block_bytes), _mm256_loadu_ps(x_scales + b));
         sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), scale, sum);
     }
     float tail = 0.0f;
