@@ -42,6 +42,17 @@ def write_kv_and_attend(
     return backend.paged_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window)
 
 
+def can_capture_cuda_graphs(device: torch.device) -> bool:
+    """Whether attention on `device` can be captured in a CUDA graph: the CuPy kernels launch
+    without reading anything on the host; the torch reference backend reads the step's lengths
+    on the host, so it runs eagerly."""
+    if device.type != "cuda":
+        return False
+    from core_engine.kernels.cuda import backend as cuda_backend
+
+    return cuda_backend.is_available()
+
+
 def select_backend(device: torch.device):
     """Returns a module with `reshape_and_cache` and `paged_attention` for this device."""
     if device.type == "cuda":

@@ -77,6 +77,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     shutdown_timeout_s: float = 5.0
     max_frame_bytes: int = 64 * 1024 * 1024
     enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
     async_scheduling: bool = False
     disable_hybrid_kv_cache: bool = False
     distributed_executor_backend: str = "mp"
@@ -153,6 +154,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         self._check_unchunked_prefill()
         self._check_lora()
         self._check_async_scheduling()
+        self._check_cuda_graph_sizes()
         _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("startup_timeout_s", "step_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
@@ -210,6 +212,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "async_scheduling cannot run with a KV connector (kv_transfer_config or "
             "kv_offloading_size): drop --async-scheduling or the connector",
         )
+
+    def _check_cuda_graph_sizes(self) -> None:
+        """Batch sizes of the decode CUDA graphs: positive; those above max_num_seqs are
+        dropped by the worker (no step fills them). An empty list captures none."""
+        for size in self.cuda_graph_sizes or ():
+            _check(size >= 1, f"cuda_graph_sizes must be positive batch sizes, got {size}")
 
     def _check_lora(self) -> None:
         """vLLM's limits: at least one adapter per step, a positive rank, and at least as many
@@ -394,6 +402,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
                 )
+            elif field.name in LIST_FIELDS:
+                parser.add_argument(flag, nargs="*", default=None, metavar="N", help=help_text)
             else:
                 parser.add_argument(flag, default=None, metavar=field.name.upper(), help=help_text)
 
@@ -419,6 +429,9 @@ DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32"}
 
 # Token counts whose flag takes vLLM's human-readable integers (16k, 16K) and "auto" (None).
 HUMAN_READABLE_INT_FIELDS = frozenset({"max_model_len", "max_num_batched_tokens"})
+
+# Fields whose flag takes a list of values, space- or comma-separated (`--cuda-graph-sizes 1 2 4`).
+LIST_FIELDS = frozenset({"cuda_graph_sizes"})
 
 # Fields whose flag takes a JSON object, each with the parser that validates it.
 JSON_FIELDS = {
@@ -518,7 +531,13 @@ FIELD_HELP = {
         "scheduling and IPC leave the step's critical path"
     ),
     "enforce_eager": (
-        "plain torch ops only: no C kernels compiled for the CPU (matmuls, attention, fused ops)"
+        "run every step eagerly: no CUDA graphs on a GPU; on a CPU plain torch ops only, no C "
+        "kernels (matmuls, attention, fused ops)"
+    ),
+    "cuda_graph_sizes": (
+        "batch sizes whose decode steps are captured as CUDA graphs, a smaller batch padded to "
+        "the next one, a larger one eager (None: 1 2 4 8 16 24 ... max_num_seqs; no values: "
+        "none)"
     ),
 }
 
@@ -529,6 +548,9 @@ def _field_value(field: msgspec.structs.FieldInfo, text: Any) -> Any:
     try:
         if text in ("none", "None"):
             return None
+        if field.name in LIST_FIELDS:
+            items = [item for part in text for item in part.split(",") if item]
+            return msgspec.convert(items, field.type, strict=False)
         if field.name in JSON_FIELDS:
             return msgspec.structs.asdict(JSON_FIELDS[field.name](text))
         if field.name in HUMAN_READABLE_INT_FIELDS and isinstance(text, str):

@@ -83,6 +83,12 @@ class BlockTable:
         block_ids = self.block_table_np[req_rows, block_indices].astype(np.int64)
         return block_ids * self.block_size + positions % self.block_size
 
+    @property
+    def device_table(self) -> torch.Tensor:
+        """The device copy, all `max_num_reqs` rows; its address never changes (a CUDA graph
+        reads it). Rows from the last `commit`'s count on are stale."""
+        return self._block_table_device
+
     def commit(self, num_reqs: int) -> torch.Tensor:
         """Copies rows `0..num_reqs-1` to the device; returns int32 [num_reqs, max_num_blocks_per_req]."""
         if self._block_table_device is not self._block_table_cpu:

@@ -54,6 +54,21 @@ def read_mem_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cuda_graph_bytes(device: torch.device, capture_graphs: Callable[[], object]) -> int:
+    """Device memory the graphs `capture_graphs` returns hold (their memory pool, and what the
+    driver keeps for the graphs themselves), measured while they live, then released."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info(device)
+    graphs = capture_graphs()
+    torch.cuda.synchronize(device)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    del graphs
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return max(0, free_before - free_after)
+
+
 def cuda_kv_cache_bytes(
     device: torch.device,
     gpu_memory_utilization: float,

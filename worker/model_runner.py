@@ -19,6 +19,7 @@ from core_engine.proto import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from core_engine.worker.decode_graphs import DecodeGraphs, GraphCapture
 from core_engine.worker.input_batch import CachedRequestState, InputBatch
 from core_engine.worker.sample.rejection_sampler import RejectionSampler
 from core_engine.worker.sample.sampler import Sampler, SamplingMetadata
@@ -70,6 +71,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: StepMetadata
+    group_metadata: list[AttentionMetadata]  # one per KV cache group
     sample_rows: np.ndarray
     logits_indices: torch.Tensor
     num_scheduled: np.ndarray  # int64 [B]: tokens of each row this step
@@ -90,6 +92,10 @@ class ModelRunner:
     `async_scheduling`: the tokens a step samples join their requests' history here at once,
     since the next step (planned before they reached the scheduler) already computes them; the
     scheduler then never sends them back in `CachedRequestData.new_token_ids`.
+
+    After `capture_decode_graphs`, decode steps without LoRA replay CUDA graphs (see
+    `worker.decode_graphs`); the graphs read the KV caches given to `initialize_kv_cache` before
+    the capture, so a new cache needs a new runner.
     """
 
     def __init__(
@@ -132,10 +138,40 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         self.step_transfer = StepTransfer(device)  # the step's inputs in one copy
+        self.decode_graphs: DecodeGraphs | None = None
 
     def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
         self.kv_caches = kv_caches
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, sizes: Sequence[int], capture: GraphCapture) -> DecodeGraphs:
+        """Captures the decode forward over the KV caches for each padded batch size in
+        `sizes` (at most max_num_reqs); from now on decode steps replay them."""
+        if not self.kv_caches:
+            raise RuntimeError("capture_decode_graphs called before initialize_kv_cache")
+        if max(sizes) > self.max_num_reqs:
+            raise ValueError(
+                f"a CUDA graph of {max(sizes)} requests is larger than max_num_reqs="
+                f"{self.max_num_reqs}"
+            )
+        graphs = DecodeGraphs(
+            sizes,
+            device=self.device,
+            block_tables=[
+                table.device_table for table in self.input_batch.block_table.block_tables
+            ],
+            layer_to_group=self.layer_to_group,
+            max_model_len=self.max_model_len,
+        )
+
+        def forward(input_ids, positions, group_metadata):
+            metadata = self._step_metadata(group_metadata)
+            return self.model.forward(input_ids, positions, self.kv_caches, metadata)
+
+        graphs.capture_all(forward, capture)
+        self.decode_graphs = graphs
+        return graphs
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -163,7 +199,15 @@ class ModelRunner:
                 self._append_token_ids(state, batch.req_id_to_row[req_id], token_ids)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model's forward over the step's tokens, each through its request's adapter."""
+        """The model's forward over the step's tokens, each through its request's adapter; a
+        decode step a captured graph covers replays it."""
+        if self._can_replay_graph(inputs):
+            return self.decode_graphs.run(
+                inputs.input_ids,
+                inputs.positions,
+                [metadata.slot_mapping for metadata in inputs.group_metadata],
+                inputs.group_metadata[0].seq_lens,
+            )
         if self.lora_manager is None:
             return self.model.forward(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
@@ -177,6 +221,17 @@ class ModelRunner:
             )
         finally:
             self.lora_manager.clear_step()
+
+    def _can_replay_graph(self, inputs: StepInputs) -> bool:
+        return (
+            self.decode_graphs is not None
+            and self.lora_manager is None
+            and self.decode_graphs.can_run(
+                num_reqs=self.input_batch.num_reqs,
+                num_tokens=inputs.input_ids.shape[0],
+                max_query_len=inputs.group_metadata[0].max_query_len,
+            )
+        )
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> None:
@@ -348,20 +403,23 @@ class ModelRunner:
             )
             for table, slot_mapping in zip(tables, slot_mappings, strict=True)
         ]
-        if len(group_metadata) == 1:
-            metadata: StepMetadata = group_metadata[0]
-        else:
-            metadata = [group_metadata[group] for group in self.layer_to_group]
         return StepInputs(
             input_ids=input_ids,
             positions=positions_device,
-            metadata=metadata,
+            metadata=self._step_metadata(group_metadata),
+            group_metadata=group_metadata,
             sample_rows=sample_rows,
             logits_indices=logits_indices_device,
             num_scheduled=num_scheduled,
             num_draft_tokens=num_drafts,
             first_token=cu_num_scheduled - num_scheduled,
         )
+
+    def _step_metadata(self, group_metadata: list[AttentionMetadata]) -> StepMetadata:
+        """The metadata the model takes: the one group's, or each layer's group's."""
+        if len(group_metadata) == 1:
+            return group_metadata[0]
+        return [group_metadata[group] for group in self.layer_to_group]
 
     def _token_rows_and_positions(
         self, num_scheduled: np.ndarray, cu_num_scheduled: np.ndarray

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from core_engine.common.config_error import ConfigError
 from core_engine.common.dtypes import DTYPE_NAMES, torch_dtype
 from core_engine.common.kv_cache_groups import KVCacheGroup, group_layers, layers_per_group
 from core_engine.common.math_utils import cdiv
+from core_engine.kernels import can_capture_cuda_graphs
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu.huge_pages import empty_on_huge_pages
 from core_engine.kernels.cuda.warmup import warmup
@@ -19,6 +21,7 @@ from core_engine.proto.engine_config import DEVICES, EngineConfig
 from core_engine.proto.kv_transfer import KVConnectorHandshake
 from core_engine.proto.lora_request import LoRATargetShapes
 from core_engine.worker.cpu_features import default_cpu_dtype
+from core_engine.worker.decode_graphs import CudaGraphCapture, resolve_capture_sizes
 from core_engine.worker.kv_connector.kv_block_layout import KVBlockLayout
 from core_engine.worker.kv_connector.kv_connector_factory import make_kv_connector_worker
 from core_engine.worker.kv_connector.kv_connector_worker import (
@@ -26,12 +29,18 @@ from core_engine.worker.kv_connector.kv_connector_worker import (
     execute_with_connector,
 )
 from core_engine.worker.lora.lora_manager import LoRAManager
-from core_engine.worker.memory_profiler import cpu_kv_cache_bytes, cuda_kv_cache_bytes
+from core_engine.worker.memory_profiler import (
+    cpu_kv_cache_bytes,
+    cuda_graph_bytes,
+    cuda_kv_cache_bytes,
+)
 from core_engine.worker.model_executor.cpu_decoder import enable_cpu_decoder
 from core_engine.worker.model_executor.cpu_linear import model_weight_bytes, pack_linears
 from core_engine.worker.model_runner import ModelRunner
 from core_engine.worker.parallel_state import init_distributed
 from core_engine.worker.structured_outputs import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 1024}
 """Step token budget when none is given, by device type. A CPU prefills slowly, so a step of
@@ -244,6 +253,8 @@ class Worker:
             budget = cuda_kv_cache_bytes(
                 self.device, self.config.gpu_memory_utilization, self._profile_peak_step
             )
+            if self.cuda_graph_sizes:
+                budget = self._budget_after_graphs(budget)
         else:
             budget = cpu_kv_cache_bytes(self.kv_cache_memory_bytes)
         return budget // self.bytes_per_block
@@ -259,6 +270,19 @@ class Worker:
         self.kv_caches = self._allocate_kv_caches(num_gpu_blocks)
         self.model_runner = self._new_model_runner()
         self.model_runner.initialize_kv_cache(self.kv_caches)
+        if self.cuda_graph_sizes:
+            graphs = self.model_runner.capture_decode_graphs(
+                self.cuda_graph_sizes, CudaGraphCapture(self.device)
+            )
+            logger.info(
+                "worker rank %d: decode steps of up to %d requests replay CUDA graphs (%d sizes "
+                "from %d), captured in %.1f s",
+                self.rank,
+                graphs.max_size,
+                len(graphs.sizes),
+                graphs.sizes[0],
+                graphs.capture_s,
+            )
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
 
@@ -268,6 +292,19 @@ class Worker:
         return execute_with_connector(
             self.kv_connector, scheduler_output, self.model_runner.execute_model
         )
+
+    @property
+    def cuda_graph_sizes(self) -> list[int]:
+        """Batch sizes whose decode steps replay CUDA graphs: none on a CPU, with
+        `enforce_eager`, with LoRA (whose per-step adapter slots the graphs would freeze) or
+        when attention runs on the torch reference backend (no CuPy), which reads on the host."""
+        if (
+            self.config.enforce_eager
+            or self.config.enable_lora
+            or not can_capture_cuda_graphs(self.device)
+        ):
+            return []
+        return resolve_capture_sizes(self.config.cuda_graph_sizes, self.max_num_seqs)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """Layer i's cache [2, num_blocks, block_size, num_kv_heads, head_dim]. Layers at the
@@ -299,6 +336,26 @@ class Worker:
         scratch = self._allocate_kv_caches(num_blocks)
         self.model_runner.dummy_forward(num_tokens, scratch)
         del scratch
+
+    def _budget_after_graphs(self, budget: int) -> int:
+        """The KV budget less the decode graphs' memory; raises when they take all of it."""
+        graph_bytes = cuda_graph_bytes(self.device, self._profile_decode_graphs)
+        if graph_bytes >= budget:
+            raise RuntimeError(
+                f"no memory left for the KV cache on {self.device}: the decode CUDA graphs "
+                f"({len(self.cuda_graph_sizes)} sizes up to {self.cuda_graph_sizes[-1]}) take "
+                f"{graph_bytes / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB left; pass fewer "
+                "--cuda-graph-sizes, --enforce-eager, or raise gpu_memory_utilization"
+            )
+        return budget - graph_bytes
+
+    def _profile_decode_graphs(self) -> object:
+        """The decode graphs captured over a one-block scratch KV cache (the padding rows'
+        block 0 is all they read); the caller measures their memory while it holds them."""
+        runner = self._new_model_runner()
+        runner.initialize_kv_cache(self._allocate_kv_caches(1))
+        runner.capture_decode_graphs(self.cuda_graph_sizes, CudaGraphCapture(self.device))
+        return runner
 
     def _warm_up_attention_kernels(self) -> None:
         """Compiles every attention kernel configuration now, so no request pays for NVRTC."""

@@ -408,3 +408,74 @@ def test_engine_default_model_same_tokens_as_reference_backend(monkeypatch):
         device="cuda", dtype="float32", max_model_len=256, max_num_batched_tokens=32
     )
     _assert_same_greedy_tokens(monkeypatch, prompts, config, max_tokens=32)
+
+
+# --- decode steps as CUDA graphs (worker/decode_graphs.py) -------------------------------------
+
+
+def _tiny_engine_configs(tmp_path, *changes: dict) -> list:
+    """One tiny random model, and an engine config over it per dict of `changes`."""
+    from core_engine.proto.engine_config import EngineConfig
+    from tests.helpers.model_fixtures import build_tiny_model_folder
+
+    folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
+    return [
+        EngineConfig(
+            model=str(folder),
+            device="cuda",
+            dtype="float32",
+            max_model_len=512,
+            max_num_seqs=24,
+            max_num_batched_tokens=64,  # chunked prefill: mixed steps run eagerly between replays
+            **change,
+        )
+        for change in changes
+    ]
+
+
+def _greedy(config, prompts, max_tokens: int = 24) -> list[list[int]]:
+    from core_engine.proto import SamplingParams
+    from tests.helpers.engine_helpers import generate_token_ids
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    output = generate_token_ids(prompts, config, sampling_params=params)
+    return [result.token_ids for result in output.results]
+
+
+def test_engine_decode_graphs_give_the_eager_tokens(monkeypatch, tmp_path):
+    """Graphs on (default sizes, padded batches) and --enforce-eager: the same greedy tokens,
+    and the graph run really replayed graphs of several sizes."""
+    from core_engine.worker.decode_graphs import DecodeGraphs
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, 320, (length,), generator=generator).tolist()
+        for length in (1, 5, 9, 40, 3, 150, 17, 2, 60, 11, 7, 90, 4, 33, 21, 8, 300, 13, 6)
+    ]
+    replayed: list[int] = []
+    original_run = DecodeGraphs.run
+
+    def counted_run(self, input_ids, *args):
+        replayed.append(self.padded_size(input_ids.shape[0]))
+        return original_run(self, input_ids, *args)
+
+    monkeypatch.setattr(DecodeGraphs, "run", counted_run)
+    with_graphs, eager = _tiny_engine_configs(tmp_path, {}, {"enforce_eager": True})
+    graph_tokens = _greedy(with_graphs, prompts)
+    num_replayed = len(replayed)
+    assert len(set(replayed)) >= 2, replayed  # the batch grew (and shrank) through sizes
+    assert graph_tokens == _greedy(eager, prompts)
+    assert len(replayed) == num_replayed  # enforce_eager replays nothing
+
+
+def test_engine_decode_graphs_with_explicit_sizes(tmp_path):
+    """--cuda-graph-sizes 1 4: a batch of 3 pads to 4, one of 6 runs eagerly."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(3, 320, (n,), generator=generator).tolist() for n in (3, 8, 30, 5, 2, 9)
+    ]
+    with_graphs, eager = _tiny_engine_configs(
+        tmp_path, {"cuda_graph_sizes": [1, 4]}, {"enforce_eager": True}
+    )
+    for batch in (prompts[:1], prompts[:3], prompts):
+        assert _greedy(with_graphs, batch) == _greedy(eager, batch)
