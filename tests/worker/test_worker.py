@@ -195,6 +195,29 @@ def test_enforce_eager_turns_the_cpu_kernels_off_and_keeps_the_output(tiny_loade
     assert outputs[0] == outputs[1] == [TinyCausalLM().dense_greedy(p, 6) for p in prompts]
 
 
+def test_an_eager_worker_counts_its_opaque_weight_copies(tmp_path):
+    """Without the C kernels the linears' weights are oneDNN's blocked copies, which have no
+    storage: the start-up line still counts them (it once raised on their data pointer)."""
+    from core_engine.worker.model_executor.cpu_linear import model_weight_bytes
+    from core_engine.worker.worker_factory import worker_ready
+    from tests.helpers.model_fixtures import build_tiny_model_folder
+
+    folder = build_tiny_model_folder(tmp_path / "tiny", "llama_untied")
+    config = EngineConfig(model=str(folder), device="cpu", enforce_eager=True)
+    worker = Worker(config)
+    try:
+        worker.load_model()
+        linears = [
+            m for m in worker.model.modules() if getattr(m, "packed_weight", None) is not None
+        ]
+        assert linears and all(m.packed_weight.is_mkldnn for m in linears)
+        dense_bytes = sum(m.packed_weight.numel() * 4 for m in linears)
+        assert model_weight_bytes(worker.model) >= dense_bytes
+        assert "weights 0.000 GiB resident" in worker.describe(worker_ready(worker, 0, 64), 0.0)
+    finally:
+        cpu_kernel_loader.set_enabled(True)
+
+
 def test_enforce_eager_is_a_cli_flag():
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_arguments(parser)

@@ -262,7 +262,9 @@ def model_weight_bytes(model: nn.Module) -> int:
             tensors = []
         tensors += [p for p in module.parameters(recurse=False) if not p.gguf_segments]
         for tensor in tensors:
-            if tensor.data_ptr() not in seen:
-                seen.add(tensor.data_ptr())
+            # oneDNN's blocked copies are opaque: no storage, so no data pointer to key them by
+            key = id(tensor) if tensor.is_mkldnn else tensor.data_ptr()
+            if key not in seen:
+                seen.add(key)
                 total += tensor.numel() * tensor.element_size()
     return total
