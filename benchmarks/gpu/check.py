@@ -1,30 +1,38 @@
 """The whole GPU verification in one command, for a GPU that is lent for minutes.
 
     python -m benchmarks.gpu.check --out DIR [--budget-s 450]     # on the CUDA machine
+    python -m benchmarks.gpu.check --out DIR --only decode,engine # some steps (name prefixes)
     python -m benchmarks.gpu.check --out DIR --dry-run            # anywhere: the plumbing
     python -m benchmarks.gpu.check --make-wheelhouse DIR          # here, before the GPU run
 
 Steps, each run in its own process (a crash or a sticky CUDA error stays in its step), each
-recorded with its outcome even when an earlier one failed:
+recorded with its outcome even when an earlier one failed, in this order:
 1. `pytest -m gpu`: every kernel against the torch reference (decode on CUDA cores and tensor
    cores, prefill on both, reshape_and_cache, sliding windows, GQA groups, block sizes, dtypes,
-   streams, graphs, the engine on a tiny model);
-2. `bench_attention --kit`: decode GB/s against the device-to-device copy bandwidth measured
+   streams, graphs, the engine on a tiny model with decode CUDA graphs on and off);
+2. the engine end to end on random weights of SmolLM2-135M and Llama-3.2-1B shapes made on the
+   machine (benchmarks/gpu/engine_check.py): float32 greedy tokens of the CUDA kernels (decode
+   steps as CUDA graphs) equal to the torch reference backend's and to the kernels' run with
+   `--enforce-eager`; offline throughput at batch 256 with the defaults, with async scheduling
+   (same tokens required) and eagerly;
+3. the decode step on random weights of Llama-3.2-1B and Qwen3-0.6B shapes
+   (benchmarks/gpu/decode_check.py): its breakdown at batch 1, 64 and 256 with graphs and
+   eagerly (host preparation, launches, device time, sampling, the core's time, IPC), beside a
+   plain-torch CUDA-graph forward of the shape at batch 256; batch 1's share of the HBM
+   bandwidth; nano-vllm's benchmark workload in output tok/s beside the A100 figures reported
+   for vLLM and nano-vllm;
+4. `bench_attention --kit`: decode GB/s against the device-to-device copy bandwidth measured
    in the same run, tensor-core prefill against SDPA's flash kernel;
-3. the engine end to end on random weights of SmolLM2-135M and Llama-3.2-1B shapes made on the
-   machine (benchmarks/gpu/engine_check.py): greedy tokens of the CUDA kernels equal to the torch
-   reference backend's, and offline throughput at batch 256 with and without async scheduling
-   (same tokens required);
-4. `compute-sanitizer` memcheck and racecheck over one small case of each kernel
+5. `compute-sanitizer` memcheck and racecheck over one small case of each kernel
    (benchmarks/gpu/sanitize_cases.py);
-5. the report: gpu_report.md and gpu_report.json (GPU, driver, versions, every figure and
+6. the report: gpu_report.md and gpu_report.json (GPU, driver, versions, every figure and
    target), gpu_check.log (every step's output) and pytest_gpu.xml, rewritten after every step
    so a run cut short still leaves what it measured. At most 8 files, none in a subfolder.
 
 `--budget-s` bounds the whole run: each step gets the smaller of its own cap and what is left,
 and a step that no longer fits is recorded as skipped. `--dry-run` runs the same plumbing on
 tiny shapes: CUDA steps report "skipped: no CUDA", the GPU tests are only collected, and the
-engine check runs the tiny shape on the CPU (CI runs it, so the kit cannot rot between GPU
+engine and decode checks run the tiny shape on the CPU (CI runs it, so the kit cannot rot between GPU
 runs). Exits 1 when a step failed or timed out.
 
 The CUDA machine has Python 3.12 with torch, CuPy, pytest and numpy but not msgspec or pyzmq
@@ -60,6 +68,7 @@ DEFAULT_BUDGET_S = 450.0
 # A step is not started with less than this left: it could not finish anything useful.
 MIN_STEP_S = 20.0
 ENGINE_MODELS = ("smollm2-135m", "llama-3.2-1b")
+DECODE_MODELS = ("llama-3.2-1b", "qwen3-0.6b")
 DRY_RUN_ENGINE_MODEL = "tiny"
 # Third-party modules the GPU machine's image has (import names; its package list, 2026-11:
 # Python 3.12, torch 2.11 + CUDA 13, cupy-cuda13x, ...), among those the kit's code may import.
@@ -345,16 +354,29 @@ def run_attention_bench(context: KitContext, timeout_s: float) -> StepResult:
 
 
 def engine_step(model: str) -> Callable[[KitContext, float], StepResult]:
-    def run_engine(context: KitContext, timeout_s: float) -> StepResult:
-        name = f"engine {model}"
+    return _random_weights_step("engine", "benchmarks.gpu.engine_check", model, engine_summary)
+
+
+def decode_step(model: str) -> Callable[[KitContext, float], StepResult]:
+    return _random_weights_step("decode", "benchmarks.gpu.decode_check", model, decode_summary)
+
+
+def _random_weights_step(
+    kind: str, module: str, model: str, summarize: Callable[[dict], str]
+) -> Callable[[KitContext, float], StepResult]:
+    """A step that runs `module` on random weights of `model`'s shape in its own process
+    (the dry run's tiny shape on the CPU) and keeps the JSON figures it writes."""
+
+    def run_check(context: KitContext, timeout_s: float) -> StepResult:
+        name = f"{kind} {model}"
         if model != DRY_RUN_ENGINE_MODEL:
             skip_reason = context.cuda_skip_reason()
             if skip_reason:
                 return StepResult(name, "skipped", skip_reason)
         device = "cuda" if context.cuda and not context.dry_run else "cpu"
-        figures_path = context.work_dir / f"engine_{model}.json"
+        figures_path = context.work_dir / f"{kind}_{model}.json"
         command = [
-            sys.executable, "-m", "benchmarks.gpu.engine_check", "--model", model,
+            sys.executable, "-m", module, "--model", model,
             "--device", device, "--out", str(figures_path),
         ]  # fmt: skip
         run = run_process(context, name, command, timeout_s)
@@ -364,9 +386,9 @@ def engine_step(model: str) -> Callable[[KitContext, float], StepResult]:
                               run.seconds, figures)  # fmt: skip
         if run.returncode != 0 or not figures:
             return StepResult(name, "failed", f"exit {run.returncode}", run.seconds, figures)
-        return StepResult(name, "passed", engine_summary(figures), run.seconds, figures)
+        return StepResult(name, "passed", summarize(figures), run.seconds, figures)
 
-    return run_engine
+    return run_check
 
 
 def engine_summary(figures: dict) -> str:
@@ -374,6 +396,8 @@ def engine_summary(figures: dict) -> str:
     text = f"{figures['device']}: float32 greedy tokens equal to the torch reference's"
     if not parity["equal"]:
         text = f"{figures['device']}: greedy tokens DIFFER from the torch reference's"
+    if "eager_equal" in parity:
+        text += ", and with --enforce-eager " + ("too" if parity["eager_equal"] else "they DIFFER")
     throughput = figures.get("throughput")
     if throughput:
         text += (
@@ -381,20 +405,60 @@ def engine_summary(figures: dict) -> str:
             f"{throughput['num_prompts']} ({throughput['prompt_len']} in / "
             f"{throughput['max_tokens']} out)"
         )
-        text += _async_summary(throughput)
+        text += _variant_summary(throughput)
     return text
 
 
-def _async_summary(throughput: dict) -> str:
-    """The async-scheduling run beside the plain one (absent in figures of older kits)."""
-    on = throughput.get("async_scheduling")
-    if on is None:
-        return ""
-    same = "same tokens" if throughput["async_equal"] else "tokens DIFFER"
-    return (
-        f", {on['output_tok_s']:.0f} with async scheduling "
-        f"({on['output_tok_s'] / throughput['output_tok_s']:.2f}x, {same})"
+# Throughput runs beside the default one: (figures key, tokens-equal key, what it is).
+THROUGHPUT_VARIANTS = (
+    ("async_scheduling", "async_equal", "with async scheduling"),
+    ("enforce_eager", "eager_equal", "eager (no CUDA graphs)"),
+)
+
+
+def _variant_summary(throughput: dict) -> str:
+    """The variant runs beside the default one (absent in figures of older kits)."""
+    text = ""
+    for key, equal_key, label in THROUGHPUT_VARIANTS:
+        variant = throughput.get(key)
+        if variant is None:
+            continue
+        same = "same tokens" if throughput[equal_key] else "tokens differ"
+        text += (
+            f", {variant['output_tok_s']:.0f} {label} "
+            f"({variant['output_tok_s'] / throughput['output_tok_s']:.2f}x, {same})"
+        )
+    return text
+
+
+def decode_summary(figures: dict) -> str:
+    """The decode check's headline figures against the issue's targets."""
+    parts = [figures["device"]]
+    largest = max(int(size) for size in figures["breakdown"]["default"])
+    default, eager = (
+        figures["breakdown"][mode][str(largest)] for mode in ("default", "enforce_eager")
     )
+    parts.append(
+        f"batch {largest} step {default['worker_step_ms']:.2f} ms "
+        f"({eager['worker_step_ms']:.2f} eager)"
+    )
+    reference = figures.get("reference")
+    if reference:
+        parts.append(
+            f"{reference['engine_over_reference']:.2f}x the plain-torch graph "
+            f"(target <= {reference['target_max_ratio']})"
+        )
+    share = figures.get("batch_one", {}).get("share_of_hbm")
+    if share is not None:
+        parts.append(
+            f"batch 1 at {100 * share:.0f}% of HBM "
+            f"(target >= {100 * figures['batch_one']['target_min_share']:.0f}%)"
+        )
+    nano = figures.get("nano_vllm")
+    if nano:
+        target = f" (target >= {nano['target_tok_s']})" if nano.get("target_tok_s") else ""
+        parts.append(f"nano-vllm workload {nano['output_tok_s']:.0f} output tok/s{target}")
+    return ", ".join(parts)
 
 
 # ---- the environment and the report -----------------------------------------------------------
@@ -495,6 +559,8 @@ def _step_details(step: dict) -> list[str]:
         return ["", *_attention_lines(figures)]
     if step["name"].startswith("engine") and figures.get("parity"):
         return ["", *_engine_lines(step["name"], figures)]
+    if step["name"].startswith("decode") and figures.get("breakdown"):
+        return ["", *_decode_lines(step["name"], figures)]
     return []
 
 
@@ -559,7 +625,79 @@ def _engine_lines(name: str, figures: dict) -> list[str]:
             f"Offline: {throughput['num_prompts']} prompts x {throughput['prompt_len']} tokens "
             f"in, {throughput['max_tokens']} out: {throughput['elapsed_s']:.2f} s, "
             f"{throughput['output_tok_s']:.0f} output tok/s, "
-            f"{throughput['total_tok_s']:.0f} total tok/s" + _async_summary(throughput),
+            f"{throughput['total_tok_s']:.0f} total tok/s" + _variant_summary(throughput),
+        ]
+    return lines
+
+
+# (label, figures key, format) of the breakdown table's columns, in milliseconds unless a share.
+BREAKDOWN_COLUMNS = (
+    ("worker step", "worker_step_ms", "{:.2f}"),
+    ("host prepare", "host_prepare_ms", "{:.2f}"),
+    ("forward, host", "forward_host_ms", "{:.2f}"),
+    ("forward, device", "forward_device_ms", "{:.2f}"),
+    ("sampling, host", "sample_host_ms", "{:.2f}"),
+    ("sampling, device", "sample_device_ms", "{:.2f}"),
+    ("device busy", "device_busy_share", "{:.0%}"),
+    ("core between steps", "core_between_steps_ms", "{:.2f}"),
+    ("IPC", "ipc_ms", "{:.2f}"),
+)
+
+
+def _decode_lines(name: str, figures: dict) -> list[str]:
+    lines = [
+        f"## {name} ({figures['device']}, random weights, {figures['breakdown']['dtype']})",
+        "",
+        "Median ms per decode step; sampling's host time includes waiting for the forward.",
+        "",
+        "| mode | batch | " + " | ".join(label for label, _, _ in BREAKDOWN_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(BREAKDOWN_COLUMNS),
+    ]
+    for mode in ("default", "enforce_eager"):
+        for batch, parts in figures["breakdown"][mode].items():
+            cells = [
+                "" if parts.get(key) is None else form.format(parts[key])
+                for _, key, form in BREAKDOWN_COLUMNS
+            ]
+            lines.append(f"| {mode} | {batch} | " + " | ".join(cells) + " |")
+    reference = figures.get("reference")
+    if reference:
+        lines += [
+            "",
+            f"Plain-torch CUDA-graph decode step at batch {reference['batch_size']} (static "
+            f"batch, contiguous KV of {reference['max_len']}): {reference['step_ms']:.2f} ms; "
+            f"the engine's step {reference['engine_over_reference']:.2f}x that "
+            f"(target <= {reference['target_max_ratio']}).",
+        ]
+    one = figures.get("batch_one")
+    if one and "copy_bytes_per_s" in one:
+        hbm = ""
+        if "share_of_hbm" in one:
+            hbm = (
+                f", {100 * one['share_of_hbm']:.0f}% of the data sheet's "
+                f"{one['hbm_bytes_per_s'] / 1e9:.0f} GB/s (target >= "
+                f"{100 * one['target_min_share']:.0f}%)"
+            )
+        lines += [
+            "",
+            f"Batch 1: {(one['weight_bytes'] + one['kv_bytes']) / 1e6:.0f} MB read per step in "
+            f"{one['worker_step_ms']:.2f} ms = {one['bytes_per_s'] / 1e9:.0f} GB/s, "
+            f"{100 * one['share_of_copy']:.0f}% of the {one['copy_bytes_per_s'] / 1e9:.0f} GB/s "
+            f"copy measured here{hbm}.",
+        ]
+    nano = figures.get("nano_vllm")
+    if nano:
+        reported = nano.get("a100_reported") or {}
+        beside = ", ".join(f"{who} {tok_s:,}" for who, tok_s in reported.items())
+        lines += [
+            "",
+            f"nano-vllm's workload ({nano['num_seqs']} sequences, lengths uniform in "
+            f"{nano['lengths'][0]}..{nano['lengths'][1]}, temperature 0.6, step budget "
+            f"{nano['max_num_batched_tokens']}): {nano['output_tok_s']:,.0f} output tok/s in "
+            f"{nano['elapsed_s']:.1f} s"
+            + (f"; reported on one A100 40GB: {beside}" if beside else "")
+            + (f"; target >= {nano['target_tok_s']:,}" if nano.get("target_tok_s") else "")
+            + ".",
         ]
     return lines
 
@@ -569,12 +707,16 @@ def _engine_lines(name: str, figures: dict) -> list[str]:
 
 def kit_steps(dry_run: bool) -> list[Step]:
     models = (DRY_RUN_ENGINE_MODEL,) if dry_run else ENGINE_MODELS
-    # The sanitizer, whose speed on a given machine is the least known, runs last: a slow one
-    # takes what is left instead of crowding out the figures.
+    decode_models = (DRY_RUN_ENGINE_MODEL,) if dry_run else DECODE_MODELS
+    # The GPU tests gate the rest; then the figures the open GPU work needs (the engine with and
+    # without CUDA graphs, the decode step's breakdown); the attention benchmark and the
+    # sanitizer, which earlier runs measured, come last, the sanitizer (whose speed on a given
+    # machine is the least known) at the very end: a slow one takes what is left.
     return [
         Step("gpu tests", 200.0, run_gpu_tests),
-        Step("attention benchmark", 90.0, run_attention_bench),
         *(Step(f"engine {model}", 150.0, engine_step(model)) for model in models),
+        *(Step(f"decode {model}", 180.0, decode_step(model)) for model in decode_models),
+        Step("attention benchmark", 90.0, run_attention_bench),
         Step("compute-sanitizer", 180.0, run_sanitizer),
     ]
 
@@ -587,8 +729,24 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def run_kit(out_dir: Path, dry_run: bool, budget_s: float) -> list[StepResult]:
-    """Every step in order within the budget; the report rewritten after each."""
+def select_steps(steps: list[Step], only: str | None) -> list[Step]:
+    """The steps whose name starts with one of the comma-separated prefixes in `only` (None:
+    all); ValueError naming a prefix that matches none."""
+    if only is None:
+        return steps
+    prefixes = [prefix.strip() for prefix in only.split(",") if prefix.strip()]
+    for prefix in prefixes:
+        if not any(step.name.startswith(prefix) for step in steps):
+            names = ", ".join(step.name for step in steps)
+            raise ValueError(f"--only {prefix!r} matches no step (steps: {names})")
+    return [step for step in steps if any(step.name.startswith(p) for p in prefixes)]
+
+
+def run_kit(
+    out_dir: Path, dry_run: bool, budget_s: float, only: str | None = None
+) -> list[StepResult]:
+    """Every step (or those `only` selects) in order within the budget; the report rewritten
+    after each."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     results: list[StepResult] = []
@@ -600,7 +758,7 @@ def run_kit(out_dir: Path, dry_run: bool, budget_s: float) -> list[StepResult]:
             cuda=cuda_available(),
             deadline=time.monotonic() + budget_s,
         )
-        for step in kit_steps(dry_run):
+        for step in select_steps(kit_steps(dry_run), only):
             left = context.seconds_left()
             if left < MIN_STEP_S:
                 result = StepResult(step.name, "skipped", f"out of time ({left:.0f} s left)")
@@ -669,10 +827,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the plumbing on tiny shapes")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help=f"the whole run's time limit (default {DEFAULT_BUDGET_S:.0f})")  # fmt: skip
+    parser.add_argument("--only", metavar="PREFIXES",
+                        help="run only the steps whose names start with these, comma-separated "
+                        "(e.g. 'decode,engine llama')")  # fmt: skip
     args = parser.parse_args(argv)
     if args.make_wheelhouse:
         return make_wheelhouse(args.make_wheelhouse)
-    results = run_kit(args.out, args.dry_run, args.budget_s)
+    try:
+        select_steps(kit_steps(args.dry_run), args.only)
+    except ValueError as error:
+        parser.error(str(error))
+    results = run_kit(args.out, args.dry_run, args.budget_s, args.only)
     print(f"report: {args.out / REPORT_MD}")
     return 1 if any(r.status in ("failed", "timed out") for r in results) else 0
 

@@ -6,12 +6,16 @@
    model.safetensors in bf16 as checkpoints ship, a word-level tokenizer covering the whole
    vocabulary), made on the device in seconds.
 2. Greedy parity: the same prompts, long enough for chunked prefill and batches that mix
-   prefill chunks with decodes, in float32 through the engine twice, its attention on the
-   device's kernels and on the torch reference backend; every token must be equal.
+   prefill chunks with decodes, in float32 through the engine, its attention on the device's
+   kernels and on the torch reference backend; every token must be equal.
+   The kernels run twice, with decode steps replayed as CUDA graphs (the default) and with
+   `enforce_eager`: their tokens must be equal too.
 3. Throughput: `LLM.generate` (the engine processes a user starts) on 256 prompts of 128
    random token ids, 128 greedy tokens each (ignore_eos), in the device's default dtype,
-   after a warm-up workload; once without and once with `async_scheduling` (the core plans
-   the next step while the device runs this one), whose greedy tokens must be the same.
+   after a warm-up workload; with the defaults, with `async_scheduling` (the core plans the
+   next step while the device runs this one), whose greedy tokens must be the same, and with
+   `enforce_eager` (no CUDA graphs; its tokens' agreement is reported: bf16 matmuls over
+   another batch shape may round differently).
 
 Writes the figures as JSON (`--out`) and exits 1 when the tokens differ. The `tiny` shape runs
 the same steps in seconds on a CPU (the GPU kit's dry run).
@@ -78,6 +82,21 @@ MODEL_SHAPES = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
+    },
+    "qwen3-0.6b": {
+        **_LLAMA_COMMON,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
     },
     "tiny": {
         **_LLAMA_COMMON,
@@ -148,6 +167,14 @@ def llama_weight_shapes(shape: dict) -> dict[str, tuple[int, ...]]:
             f"{layer}.self_attn.k_proj.weight": (kv_size, hidden),
             f"{layer}.self_attn.v_proj.weight": (kv_size, hidden),
             f"{layer}.self_attn.o_proj.weight": (hidden, q_size),
+            **(
+                {
+                    f"{layer}.self_attn.q_norm.weight": (head_dim,),
+                    f"{layer}.self_attn.k_norm.weight": (head_dim,),
+                }
+                if shape.get("model_type") == "qwen3"
+                else {}
+            ),
             f"{layer}.post_attention_layernorm.weight": (hidden,),
             f"{layer}.mlp.gate_proj.weight": (inter, hidden),
             f"{layer}.mlp.up_proj.weight": (inter, hidden),
@@ -205,23 +232,26 @@ def reference_attention() -> Iterator[list[int]]:
 
 
 def greedy_parity(folder: Path, shape: dict, device: str, workloads: Workloads) -> dict:
-    """Float32 greedy tokens with the kernels and with the reference backend, compared."""
+    """Float32 greedy tokens with the kernels (decode steps as CUDA graphs, the default), with
+    the kernels run eagerly (`enforce_eager`), and with the reference backend (eagerly: it reads
+    on the host), compared: "equal" kernels vs reference, "eager_equal" graphs vs eager."""
     prompts = random_prompts(workloads.parity_prompt_lens, shape["vocab_size"], seed=1)
     params = SamplingParams(
         temperature=0.0, max_tokens=workloads.parity_max_tokens, ignore_eos=True
     )
-    config = EngineConfig(
-        model=str(folder),
-        device=device,
-        dtype="float32",
-        max_model_len=workloads.max_model_len,
-        max_num_batched_tokens=workloads.parity_batched_tokens,
-        # The prompts' blocks and then some: no memory profiling, and two engines in turn in
-        # this process never hold more than a sliver of the device.
-        num_gpu_blocks_override=PARITY_NUM_BLOCKS,
-    )
 
-    def run() -> list[list[int]]:
+    def run(enforce_eager: bool = False) -> list[list[int]]:
+        config = EngineConfig(
+            model=str(folder),
+            device=device,
+            dtype="float32",
+            max_model_len=workloads.max_model_len,
+            max_num_batched_tokens=workloads.parity_batched_tokens,
+            # The prompts' blocks and then some: no memory profiling, and the engines in turn
+            # in this process never hold more than a sliver of the device.
+            num_gpu_blocks_override=PARITY_NUM_BLOCKS,
+            enforce_eager=enforce_eager,
+        )
         engine = InProcessEngine(config, LocalExecutor(config))
         token_ids = [r.token_ids for r in engine.generate(prompts, params).results]
         del engine
@@ -232,8 +262,9 @@ def greedy_parity(folder: Path, shape: dict, device: str, workloads: Workloads) 
 
     start = time.perf_counter()
     with_kernels = run()
+    eager_kernels = run(enforce_eager=True)
     with reference_attention() as reference_calls:
-        with_reference = run()
+        with_reference = run(enforce_eager=True)
     if not reference_calls[0]:
         raise RuntimeError("the reference run never reached the torch reference backend")
     per_prompt = [
@@ -251,6 +282,7 @@ def greedy_parity(folder: Path, shape: dict, device: str, workloads: Workloads) 
         "max_num_batched_tokens": workloads.parity_batched_tokens,
         "equal": with_kernels == with_reference
         and all(len(t) == workloads.parity_max_tokens for t in with_kernels),
+        "eager_equal": with_kernels == eager_kernels,
         "prompts": per_prompt,
         "elapsed_s": time.perf_counter() - start,
     }
@@ -266,7 +298,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def offline_throughput(
-    folder: Path, shape: dict, device: str, workloads: Workloads, async_scheduling: bool = False
+    folder: Path, shape: dict, device: str, workloads: Workloads, **engine_args
 ) -> tuple[dict, list[list[int]]]:
     """Output tokens per second of `LLM.generate` over the workload, after a warm-up, and the
     tokens of every prompt."""
@@ -281,7 +313,7 @@ def offline_throughput(
         device=device,
         max_num_seqs=workloads.num_prompts,
         max_model_len=workloads.max_model_len,
-        async_scheduling=async_scheduling,
+        **engine_args,
     ) as llm:
         warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         llm.generate(prompts[:8], warm_up, use_tqdm=False)
@@ -303,16 +335,17 @@ def offline_throughput(
     return figures, [output.outputs[0].token_ids for output in outputs]
 
 
-def throughput_with_and_without_async_scheduling(
-    folder: Path, shape: dict, device: str, workloads: Workloads
-) -> dict:
-    """`offline_throughput` off, then on; the second's figures under "async_scheduling", with
-    whether every prompt's tokens were the same ("async_equal")."""
+def throughput_variants(folder: Path, shape: dict, device: str, workloads: Workloads) -> dict:
+    """`offline_throughput` with the defaults (on a GPU: decode steps as CUDA graphs), then
+    with async scheduling under "async_scheduling" and with every step eager under
+    "enforce_eager", each with whether every prompt's tokens were the same as the first run's
+    ("async_equal", "eager_equal")."""
     figures, tokens = offline_throughput(folder, shape, device, workloads)
-    figures["async_scheduling"], async_tokens = offline_throughput(
-        folder, shape, device, workloads, async_scheduling=True
-    )
-    figures["async_equal"] = async_tokens == tokens
+    for name, equal_key in (("async_scheduling", "async_equal"), ("enforce_eager", "eager_equal")):
+        figures[name], variant_tokens = offline_throughput(
+            folder, shape, device, workloads, **{name: True}
+        )
+        figures[equal_key] = variant_tokens == tokens
     return figures
 
 
@@ -336,14 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         result["parity"] = greedy_parity(folder, shape, args.device, workloads)
         print(f"greedy parity (float32, kernels vs torch reference): {result['parity']}")
         if not args.skip_throughput:
-            result["throughput"] = throughput_with_and_without_async_scheduling(
-                folder, shape, args.device, workloads
-            )
+            result["throughput"] = throughput_variants(folder, shape, args.device, workloads)
             print(f"offline throughput: {result['throughput']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     async_equal = result.get("throughput", {}).get("async_equal", True)
-    return 0 if result["parity"]["equal"] and async_equal else 1
+    parity = result["parity"]
+    return 0 if parity["equal"] and parity["eager_equal"] and async_equal else 1
 
 
 if __name__ == "__main__":

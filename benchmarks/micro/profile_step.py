@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import ctypes
 import functools
-import socket
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from benchmarks.harness.common import (
     result_name,
     write_results,
 )
+from benchmarks.harness.message_round_trip import MessageRoundTrip
 from benchmarks.offline.bench import FULL_SHAPE, QUICK_SHAPE, WORKLOAD_NAMES, build_workloads
 from core_engine.common.model_files import resolve_model_path
 from core_engine.core.engine_core import start_engine_core
@@ -50,14 +50,11 @@ from core_engine.core.sched.scheduler import Scheduler
 from core_engine.frontend.text.tokenizer import load_tokenizer
 from core_engine.kernels.cpu import decode_layers as c_decode
 from core_engine.proto import (
-    MessageDecoder,
-    MessageEncoder,
     ModelRunnerOutput,
     SamplingParams,
     SchedulerOutput,
 )
 from core_engine.proto.engine_config import QUANTIZATIONS, EngineConfig
-from core_engine.proto.message_pipe import MessagePipe
 from core_engine.worker import model_runner
 from core_engine.worker.host_allocator import keep_freed_memory
 from core_engine.worker.local_executor import LocalExecutor
@@ -192,21 +189,6 @@ def time_c_decoder_parts(timer: PartTimer) -> None:
                 timer.add_child(name, part_seconds)
 
     CpuDecoderStack.run = run
-
-
-class MessageRoundTrip:
-    """Sends a message through a socketpair and decodes it on the other end, as the engine's
-    core <-> worker link does (both ends in this process: no process wake-up is counted)."""
-
-    def __init__(self) -> None:
-        left, right = socket.socketpair()
-        self.sender, self.receiver = MessagePipe(left), MessagePipe(right)
-        self.encoder = MessageEncoder()
-        self.decoder = MessageDecoder((SchedulerOutput, ModelRunnerOutput))
-
-    def __call__(self, message) -> None:
-        self.sender.send(self.encoder.encode(message))
-        self.decoder.decode(self.receiver.recv())
 
 
 class ProfiledExecutor:

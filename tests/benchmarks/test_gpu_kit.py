@@ -19,6 +19,7 @@ from benchmarks.harness.common import (
 )
 from benchmarks.micro import attention as bench_attention
 from core_engine.kernels.cuda import backend as cuda_backend
+from core_engine.worker.cpu_features import default_cpu_dtype
 from tests.helpers.cuda_cpu_emulator import EmulatedLoader, compiler_available, launch_on_cpu
 
 # ---- the GPU run kit (benchmarks/gpu/check.py): its dry run goes through the same plumbing as a
@@ -41,7 +42,9 @@ def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
     assert completed.returncode == 0, completed.stdout + completed.stderr
     report = json.loads((out / gpu_check.REPORT_JSON).read_text())
     steps = {step["name"]: step for step in report["steps"]}
-    assert list(steps) == ["gpu tests", "attention benchmark", "engine tiny", "compute-sanitizer"]
+    assert list(steps) == [
+        "gpu tests", "engine tiny", "decode tiny", "attention benchmark", "compute-sanitizer",
+    ]  # fmt: skip
     assert steps["gpu tests"]["status"] == "skipped"
     assert steps["gpu tests"]["figures"]["collected"] >= 100
     assert steps["gpu tests"]["figures"]["files"] == [
@@ -55,11 +58,23 @@ def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
         }  # fmt: skip
     engine = steps["engine tiny"]
     assert engine["status"] == "passed", engine
-    assert engine["figures"]["parity"]["equal"]
+    assert engine["figures"]["parity"]["equal"] and engine["figures"]["parity"]["eager_equal"]
     assert engine["figures"]["throughput"]["output_tok_s"] > 0
-    assert engine["figures"]["throughput"]["async_scheduling"]["output_tok_s"] > 0
+    for variant in ("async_scheduling", "enforce_eager"):
+        assert engine["figures"]["throughput"][variant]["output_tok_s"] > 0
     assert engine["figures"]["throughput"]["async_equal"]
     assert "with async scheduling" in engine["summary"]
+    assert "eager (no CUDA graphs)" in engine["summary"]
+    decode = steps["decode tiny"]
+    assert decode["status"] == "passed", decode
+    breakdown = decode["figures"]["breakdown"]
+    for mode in ("default", "enforce_eager"):
+        assert set(breakdown[mode]) == {"1", "4", "8"}
+        for parts in breakdown[mode].values():
+            assert 0 < parts["host_prepare_ms"] < parts["worker_step_ms"]
+            assert parts["num_steps"] >= 4 and parts["ipc_ms"] > 0
+    assert decode["figures"]["nano_vllm"]["output_tok_s"] > 0
+    assert "reference" not in decode["figures"]  # it needs CUDA graphs
     assert report["environment"]["torch"] == torch.__version__
     # What comes back from the GPU machine: at most 8 files, none in a subfolder.
     files = list(out.iterdir())
@@ -67,6 +82,8 @@ def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
     markdown = (out / gpu_check.REPORT_MD).read_text()
     assert all(f"| {name} |" in markdown for name in steps)
     assert "===== engine tiny" in (out / gpu_check.LOG_FILE).read_text()
+    dtype = str(default_cpu_dtype()).removeprefix("torch.")  # bf16 on CPUs with native bf16
+    assert f"## decode tiny (cpu, random weights, {dtype})" in markdown
 
 
 def test_a_failing_step_is_recorded_and_the_next_steps_still_run(tmp_path, monkeypatch):
@@ -94,6 +111,50 @@ def test_steps_that_no_longer_fit_the_budget_are_skipped(tmp_path, monkeypatch):
     results = gpu_check.run_kit(tmp_path, dry_run=True, budget_s=gpu_check.MIN_STEP_S - 1)
     assert results and all(r.status == "skipped" for r in results)
     assert all(r.summary.startswith("out of time") for r in results)
+
+
+def test_only_selects_steps_by_name_prefix_and_names_an_unknown_one():
+    steps = gpu_check.kit_steps(dry_run=False)
+    chosen = gpu_check.select_steps(steps, "decode, engine llama")
+    assert [step.name for step in chosen] == [
+        "engine llama-3.2-1b", "decode llama-3.2-1b", "decode qwen3-0.6b",
+    ]  # fmt: skip
+    assert gpu_check.select_steps(steps, None) == steps
+    with pytest.raises(ValueError, match="--only 'graphs' matches no step"):
+        gpu_check.select_steps(steps, "decode,graphs")
+
+
+def test_the_decode_report_sets_each_figure_beside_its_target():
+    parts = {
+        "worker_step_ms": 4.0, "host_prepare_ms": 0.3, "forward_host_ms": 0.1,
+        "forward_device_ms": 3.1, "sample_host_ms": 3.4, "sample_device_ms": 0.4,
+        "device_busy_share": 0.875, "core_between_steps_ms": 0.2, "ipc_ms": 0.1, "num_steps": 32,
+    }  # fmt: skip
+    figures = {
+        "device": "cuda",
+        "breakdown": {"default": {"256": parts}, "dtype": "bfloat16",
+                      "enforce_eager": {"256": {**parts, "worker_step_ms": 9.0}}},
+        "reference": {"batch_size": 256, "max_len": 166, "step_ms": 3.5,
+                      "engine_over_reference": 4.0 / 3.5, "target_max_ratio": 1.25},
+        "batch_one": {"weight_bytes": 2.5e9, "kv_bytes": 1e6, "worker_step_ms": 1.0,
+                      "bytes_per_s": 2.501e12, "copy_bytes_per_s": 4.2e12, "share_of_copy": 0.6,
+                      "hbm_bytes_per_s": 4.8e12, "share_of_hbm": 0.52, "target_min_share": 0.6},
+        "nano_vllm": {"num_seqs": 256, "lengths": [100, 1024], "max_num_batched_tokens": 16384,
+                      "output_tok_s": 30123.0, "elapsed_s": 4.7, "target_tok_s": 28600,
+                      "a100_reported": {"vllm": 11113, "nano-vllm": 14297}},
+    }  # fmt: skip
+    summary = gpu_check.decode_summary(figures)
+    assert "batch 256 step 4.00 ms (9.00 eager)" in summary
+    assert "1.14x the plain-torch graph (target <= 1.25)" in summary
+    assert "batch 1 at 52% of HBM (target >= 60%)" in summary
+    assert "nano-vllm workload 30123 output tok/s (target >= 28600)" in summary
+    lines = "\n".join(gpu_check._decode_lines("decode llama-3.2-1b", figures))
+    assert (
+        "| default | 256 | 4.00 | 0.30 | 0.10 | 3.10 | 3.40 | 0.40 | 88% | 0.20 | 0.10 |" in lines
+    )
+    assert "the engine's step 1.14x that (target <= 1.25)" in lines
+    assert "60% of the 4200 GB/s copy measured here, 52% of the data sheet's 4800 GB/s" in lines
+    assert "30,123 output tok/s in 4.7 s; reported on one A100 40GB: vllm 11,113" in lines
 
 
 def test_a_step_past_its_timeout_is_killed_and_says_so(tmp_path):
