@@ -21,11 +21,13 @@ recorded with its outcome even when an earlier one failed, in this order:
    plain-torch CUDA-graph forward of the shape at batch 256; batch 1's share of the HBM
    bandwidth; nano-vllm's benchmark workload in output tok/s beside the A100 figures reported
    for vLLM and nano-vllm;
-4. `bench_attention --kit`: decode GB/s against the device-to-device copy bandwidth measured
+4. `core-serve` on random weights of the Llama-3.2-1B shape (benchmarks/gpu/serve_check.py),
+   driven over HTTP by the project's streaming client: one user, 64 at once and 256 at once;
+5. `bench_attention --kit`: decode GB/s against the device-to-device copy bandwidth measured
    in the same run, tensor-core prefill against SDPA's flash kernel;
-5. `compute-sanitizer` memcheck and racecheck over one small case of each kernel
+6. `compute-sanitizer` memcheck and racecheck over one small case of each kernel
    (benchmarks/gpu/sanitize_cases.py);
-6. the report: gpu_report.md and gpu_report.json (GPU, driver, versions, every figure and
+7. the report: gpu_report.md and gpu_report.json (GPU, driver, versions, every figure and
    target), gpu_check.log (every step's output) and pytest_gpu.xml, rewritten after every step
    so a run cut short still leaves what it measured. At most 8 files, none in a subfolder.
 
@@ -35,7 +37,8 @@ tiny shapes: CUDA steps report "skipped: no CUDA", the GPU tests are only collec
 engine and decode checks run the tiny shape on the CPU (CI runs it, so the kit cannot rot between GPU
 runs). Exits 1 when a step failed or timed out.
 
-The CUDA machine has Python 3.12 with torch, CuPy, pytest and numpy but not msgspec or pyzmq
+The CUDA machine has Python 3.12 with torch, CuPy, pytest and numpy but not msgspec, pyzmq or
+core-serve's FastAPI, uvicorn, pydantic and httpx
 (nor gguf, which the kit does not need: no GGUF file travels), and nothing can be installed
 there from a registry: `--make-wheelhouse DIR` downloads exactly those wheels (the versions
 installed here) for it. docs/kernels.md's GPU section gives the
@@ -69,6 +72,7 @@ DEFAULT_BUDGET_S = 450.0
 MIN_STEP_S = 20.0
 ENGINE_MODELS = ("smollm2-135m", "llama-3.2-1b")
 DECODE_MODELS = ("llama-3.2-1b", "qwen3-0.6b")
+SERVE_MODELS = ("llama-3.2-1b",)
 DRY_RUN_ENGINE_MODEL = "tiny"
 # Third-party modules the GPU machine's image has (import names; its package list, 2026-11:
 # Python 3.12, torch 2.11 + CUDA 13, cupy-cuda13x, ...), among those the kit's code may import.
@@ -82,8 +86,22 @@ GPU_MACHINE_HAS = frozenset({
 })  # fmt: skip
 # What it lacks of what the kit imports, as distributions (with their import names): the
 # wheelhouse brings these.
-GPU_MACHINE_LACKS = ("msgspec", "pyzmq")
-GPU_MACHINE_LACKS_MODULES = frozenset({"msgspec", "zmq"})
+# The first two the engine needs; the others core-serve (FastAPI on uvicorn) and its HTTP client
+# (httpx), for the serve step.
+GPU_MACHINE_LACKS = (
+    "msgspec", "pyzmq",
+    "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "annotated-doc",
+    "typing-inspection", "opentelemetry-api", "anyio", "sniffio", "uvicorn", "click", "h11",
+    "httpx", "httpcore",
+)  # fmt: skip
+GPU_MACHINE_LACKS_MODULES = frozenset({
+    "msgspec", "zmq", "fastapi", "starlette", "pydantic", "pydantic_core", "annotated_types",
+    "annotated_doc", "typing_inspection", "opentelemetry", "anyio", "sniffio", "uvicorn", "click",
+    "h11", "httpx", "httpcore",
+})  # fmt: skip
+# Imported only where installed (FastAPI's orjson responses, httpx's command line, httpcore's
+# trio support).
+OPTIONAL_IMPORTS = frozenset({"orjson", "rich", "trio", "outcome"})
 WHEEL_PYTHON = "3.12"
 WHEEL_PLATFORMS = (
     "manylinux_2_28_x86_64",
@@ -361,6 +379,10 @@ def decode_step(model: str) -> Callable[[KitContext, float], StepResult]:
     return _random_weights_step("decode", "benchmarks.gpu.decode_check", model, decode_summary)
 
 
+def serve_step(model: str) -> Callable[[KitContext, float], StepResult]:
+    return _random_weights_step("serve", "benchmarks.gpu.serve_check", model, serve_summary)
+
+
 def _random_weights_step(
     kind: str, module: str, model: str, summarize: Callable[[dict], str]
 ) -> Callable[[KitContext, float], StepResult]:
@@ -459,6 +481,15 @@ def decode_summary(figures: dict) -> str:
         target = f" (target >= {nano['target_tok_s']})" if nano.get("target_tok_s") else ""
         parts.append(f"nano-vllm workload {nano['output_tok_s']:.0f} output tok/s{target}")
     return ", ".join(parts)
+
+
+def serve_summary(figures: dict) -> str:
+    loads = ", ".join(
+        f"{row['load']} {row['output_tokens_per_s']:.0f} output tok/s "
+        f"(TTFT p50 {row['ttft_ms']['p50']:.0f} ms, ITL p50 {row['itl_ms']['p50']:.1f} ms)"
+        for row in figures["loads"]
+    )
+    return f"{figures['device']}, core-serve over HTTP: {loads}"
 
 
 # ---- the environment and the report -----------------------------------------------------------
@@ -561,6 +592,8 @@ def _step_details(step: dict) -> list[str]:
         return ["", *_engine_lines(step["name"], figures)]
     if step["name"].startswith("decode") and figures.get("breakdown"):
         return ["", *_decode_lines(step["name"], figures)]
+    if step["name"].startswith("serve") and figures.get("loads"):
+        return ["", *_serve_lines(step["name"], figures)]
     return []
 
 
@@ -702,12 +735,34 @@ def _decode_lines(name: str, figures: dict) -> list[str]:
     return lines
 
 
+def _serve_lines(name: str, figures: dict) -> list[str]:
+    lines = [
+        f"## {name} ({figures['device']}, random weights, core-serve's defaults)",
+        "",
+        f"Streamed /v1/completions, {figures['prompt_len']} token ids in, "
+        f"{figures['max_tokens']} greedy tokens out, closed loop.",
+        "",
+        "| load | requests | in flight | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
+        "| ITL p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in figures["loads"]:
+        lines.append(
+            f"| {row['load']} | {row['num_requests']} | {row['concurrency']} | "
+            f"{row['output_tokens_per_s']:.0f} | {row['ttft_ms']['p50']:.1f} | "
+            f"{row['ttft_ms']['p99']:.1f} | {row['itl_ms']['p50']:.2f} | "
+            f"{row['itl_ms']['p99']:.2f} | {row['num_errors']} |"
+        )
+    return lines
+
+
 # ---- the kit ----------------------------------------------------------------------------------
 
 
 def kit_steps(dry_run: bool) -> list[Step]:
     models = (DRY_RUN_ENGINE_MODEL,) if dry_run else ENGINE_MODELS
     decode_models = (DRY_RUN_ENGINE_MODEL,) if dry_run else DECODE_MODELS
+    serve_models = (DRY_RUN_ENGINE_MODEL,) if dry_run else SERVE_MODELS
     # The GPU tests gate the rest; then the figures the open GPU work needs (the engine with and
     # without CUDA graphs, the decode step's breakdown); the attention benchmark and the
     # sanitizer, which earlier runs measured, come last, the sanitizer (whose speed on a given
@@ -716,6 +771,7 @@ def kit_steps(dry_run: bool) -> list[Step]:
         Step("gpu tests", 200.0, run_gpu_tests),
         *(Step(f"engine {model}", 150.0, engine_step(model)) for model in models),
         *(Step(f"decode {model}", 180.0, decode_step(model)) for model in decode_models),
+        *(Step(f"serve {model}", 120.0, serve_step(model)) for model in serve_models),
         Step("attention benchmark", 90.0, run_attention_bench),
         Step("compute-sanitizer", 180.0, run_sanitizer),
     ]

@@ -43,7 +43,8 @@ def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
     report = json.loads((out / gpu_check.REPORT_JSON).read_text())
     steps = {step["name"]: step for step in report["steps"]}
     assert list(steps) == [
-        "gpu tests", "engine tiny", "decode tiny", "attention benchmark", "compute-sanitizer",
+        "gpu tests", "engine tiny", "decode tiny", "serve tiny", "attention benchmark",
+        "compute-sanitizer",
     ]  # fmt: skip
     assert steps["gpu tests"]["status"] == "skipped"
     assert steps["gpu tests"]["figures"]["collected"] >= 100
@@ -75,6 +76,12 @@ def test_dry_run_records_every_step_and_runs_the_engine_on_the_cpu(tmp_path):
             assert parts["num_steps"] >= 4 and parts["ipc_ms"] > 0
     assert decode["figures"]["nano_vllm"]["output_tok_s"] > 0
     assert "reference" not in decode["figures"]  # it needs CUDA graphs
+    serve = steps["serve tiny"]
+    assert serve["status"] == "passed", serve
+    loads = serve["figures"]["loads"]
+    assert [row["load"] for row in loads] == ["one user", "64 at once", "saturation"]
+    assert all(row["num_errors"] == 0 and row["output_tokens_per_s"] > 0 for row in loads)
+    assert "core-serve over HTTP: one user" in serve["summary"]
     assert report["environment"]["torch"] == torch.__version__
     # What comes back from the GPU machine: at most 8 files, none in a subfolder.
     files = list(out.iterdir())
@@ -232,6 +239,8 @@ def test_sanitizer_case_script_refuses_to_run_without_cuda():
 IMPORT_PROBE = """
 import sys
 import benchmarks.gpu.engine_check, benchmarks.gpu.sanitize_cases, benchmarks.micro.attention
+import benchmarks.gpu.decode_check, benchmarks.gpu.serve_check, core_engine.frontend.openai.cli
+import core_engine.frontend.openai.app, httpx, h11, httpcore
 import tests.kernels.test_kernels_gpu, core_engine.frontend.llm, core_engine.core.engine_core_proc
 import core_engine.worker.worker, core_engine.worker.model_executor.model_loader
 import core_engine.worker.model_executor.safetensors_loader, core_engine.worker.__main__
@@ -254,7 +263,9 @@ def test_the_kit_imports_only_what_the_gpu_machine_has_or_the_wheelhouse_brings(
         for name in completed.stdout.split()
         if name not in sys.stdlib_module_names and not name.startswith("_") and name not in ours
     }
-    allowed = gpu_check.GPU_MACHINE_HAS | gpu_check.GPU_MACHINE_LACKS_MODULES
+    allowed = (
+        gpu_check.GPU_MACHINE_HAS | gpu_check.GPU_MACHINE_LACKS_MODULES | gpu_check.OPTIONAL_IMPORTS
+    )
     # Not packages: the editable install's finder, torch's build helpers, Cython's runtime.
     local = {
         name
@@ -272,7 +283,12 @@ def test_wheelhouse_downloads_only_what_the_machine_lacks_at_our_versions(tmp_pa
     assert command[command.index("--python-version") + 1] == "3.12"
     assert "manylinux_2_28_x86_64" in command and str(tmp_path) in command
     pins = [arg for arg in command if "==" in arg]
-    assert pins == [f"{name}=={importlib.metadata.version(name)}" for name in ("msgspec", "pyzmq")]
+    assert pins == [
+        f"{name}=={importlib.metadata.version(name)}" for name in gpu_check.GPU_MACHINE_LACKS
+    ]
+    assert pins[:2] == [
+        f"{name}=={importlib.metadata.version(name)}" for name in ("msgspec", "pyzmq")
+    ]
 
 
 def test_kit_benchmark_shapes_and_targets_are_the_issues():
