@@ -28,9 +28,17 @@ class BlockTable:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.block_size = block_size
         self.device = device
-        self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        # Pinned on a GPU worker, so `commit` is an asynchronous DMA rather than a host copy
+        # into a staging buffer. The host may rewrite rows for the next step while that copy
+        # could still be in flight only if a step ended without waiting for its sampled ids,
+        # which every step does.
+        self._block_table_cpu = torch.zeros(
+            (max_num_reqs, max_num_blocks_per_req),
+            dtype=torch.int32,
+            pin_memory=device.type != "cpu",
+        )
+        self.block_table_np = self._block_table_cpu.numpy()  # the same memory
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
-        self._block_table_cpu = torch.from_numpy(self.block_table_np)
         if device.type == "cpu":
             self._block_table_device = self._block_table_cpu
         else:

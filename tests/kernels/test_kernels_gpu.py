@@ -479,3 +479,14 @@ def test_engine_decode_graphs_with_explicit_sizes(tmp_path):
     )
     for batch in (prompts[:1], prompts[:3], prompts):
         assert _greedy(with_graphs, batch) == _greedy(eager, batch)
+
+
+def test_the_block_table_reaches_the_gpu_from_pinned_memory():
+    from core_engine.worker.block_table import BlockTable
+
+    table = BlockTable(4, 8, 16, torch.device(DEVICE))
+    assert table._block_table_cpu.is_pinned()
+    table.add_row([3, 5, 7], 1)
+    committed = table.commit(2)
+    torch.cuda.synchronize()
+    assert committed[1, :3].tolist() == [3, 5, 7]
