@@ -108,10 +108,11 @@ def assert_matmul(kernel, type_id, out, x, values, bias=None) -> None:
 
 
 @pytest.mark.parametrize("type_name", list(GGUF_MATMUL_TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 37, 800])
 def test_a_matmul_is_the_float32_sum_of_the_dequantized_products(kernel, type_name, rows):
     """42 columns: two whole panels and a part one, and columns past the last group of four
-    on the integer path, on every path."""
+    on the integer path, on every path; 800 rows are nine row blocks of the panel path, enough
+    that it dequantizes the whole weight once for all of them."""
     type_id = GGUF_MATMUL_TYPES[type_name]
     weight, values = gguf_weight(type_id, rows=42, seed=rows)
     generator = torch.Generator().manual_seed(rows)
