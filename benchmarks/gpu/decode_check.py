@@ -28,7 +28,6 @@ in seconds: the GPU kit's dry run. Writes the figures as JSON (`--out`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -42,7 +41,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.engine_check import MODEL_SHAPES, random_prompts, write_random_model
+from benchmarks.gpu.engine_check import (
+    MODEL_SHAPES,
+    check_parser,
+    cuda_missing,
+    random_prompts,
+    write_random_model,
+)
 from benchmarks.gpu.torch_decode_reference import DecodeShape, TorchDecodeReference
 from benchmarks.harness.message_round_trip import MessageRoundTrip
 from core_engine.core.in_process_engine import InProcessEngine
@@ -380,13 +385,8 @@ def nano_vllm_throughput(folder: Path, model: str, shape: dict, device: str, pla
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama-3.2-1b")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--out", type=Path, help="where the JSON figures go")
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda needs a CUDA device", file=sys.stderr)
+    args = check_parser(__doc__, "llama-3.2-1b").parse_args(argv)
+    if cuda_missing(args.device):
         return 2
     shape = MODEL_SHAPES[args.model]
     plan = TINY_PLAN if args.model == "tiny" else FULL_PLAN

@@ -349,15 +349,28 @@ def throughput_variants(folder: Path, shape: dict, device: str, workloads: Workl
     return figures
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="smollm2-135m")
+def check_parser(doc: str, default_model: str) -> argparse.ArgumentParser:
+    """The arguments of every check on random weights: --model (a shape), --device, --out."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default=default_model)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", type=Path, help="where the JSON figures go")
+    return parser
+
+
+def cuda_missing(device: str) -> bool:
+    """Whether `device` is cuda on a machine without it (said on stderr)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda needs a CUDA device", file=sys.stderr)
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = check_parser(__doc__, "smollm2-135m")
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda needs a CUDA device", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     shape = MODEL_SHAPES[args.model]
     workloads = TINY_WORKLOADS if args.model == "tiny" else FULL_WORKLOADS

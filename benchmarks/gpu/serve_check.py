@@ -13,7 +13,6 @@ check). The `tiny` shape on the CPU runs the same loads, smaller (the GPU kit's 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -24,7 +23,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.gpu.engine_check import MODEL_SHAPES, random_prompts, write_random_model
+from benchmarks.gpu.engine_check import (
+    MODEL_SHAPES,
+    check_parser,
+    cuda_missing,
+    random_prompts,
+    write_random_model,
+)
 from benchmarks.harness.common import StreamedCompletion, core_serve, stream_completion
 from benchmarks.serving.bench import summarize
 
@@ -77,13 +82,8 @@ async def run_loads(url: str, vocab_size: int, scale: int, max_tokens: int) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama-3.2-1b")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--out", type=Path, help="where the JSON figures go")
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda needs a CUDA device", file=sys.stderr)
+    args = check_parser(__doc__, "llama-3.2-1b").parse_args(argv)
+    if cuda_missing(args.device):
         return 2
     shape = MODEL_SHAPES[args.model]
     scale = DRY_RUN_SCALE if args.model == "tiny" else 1
