@@ -536,8 +536,8 @@ FIELD_HELP = {
     ),
     "cuda_graph_sizes": (
         "batch sizes whose decode steps are captured as CUDA graphs, a smaller batch padded to "
-        "the next one, a larger one eager (None: 1 2 4 8 16 24 ... max_num_seqs; no values: "
-        "none)"
+        "the next one, a larger one eager (None: 1 2 4 8 16 24 ... max_num_seqs, or the step "
+        "budget if smaller; no values: none)"
     ),
 }
 

@@ -120,12 +120,10 @@ class DecodeGraphs:
         *,
         device: torch.device,
         block_tables: Sequence[torch.Tensor],
-        layer_to_group: Sequence[int],
         max_model_len: int,
     ) -> None:
         """`block_tables`: per KV cache group, the runner's device block table (at least
-        max(sizes) rows, its address fixed for the graphs' life). `layer_to_group`: per layer,
-        its group (empty: one group for every layer)."""
+        max(sizes) rows, its address fixed for the graphs' life)."""
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be positive and at least one, got {sizes!r}")
         self.sizes = sorted(set(sizes))
@@ -136,7 +134,6 @@ class DecodeGraphs:
                     f"a block table of {table.shape[0]} rows cannot back a graph of {largest} "
                     "requests"
                 )
-        self.layer_to_group = list(layer_to_group)
         self.max_model_len = max_model_len
         self.block_tables = list(block_tables)
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)

@@ -161,7 +161,6 @@ class ModelRunner:
             block_tables=[
                 table.device_table for table in self.input_batch.block_table.block_tables
             ],
-            layer_to_group=self.layer_to_group,
             max_model_len=self.max_model_len,
         )
 

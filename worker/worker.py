@@ -304,7 +304,9 @@ class Worker:
             or not can_capture_cuda_graphs(self.device)
         ):
             return []
-        return resolve_capture_sizes(self.config.cuda_graph_sizes, self.max_num_seqs)
+        # A decode step of B requests schedules B tokens: no step is larger than the budget.
+        largest_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
+        return resolve_capture_sizes(self.config.cuda_graph_sizes, largest_batch)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """Layer i's cache [2, num_blocks, block_size, num_kv_heads, head_dim]. Layers at the

@@ -18,7 +18,8 @@
 //   every row of x (float32) multiplied by it, DECODE_ROWS rows at a time.
 // - Panels (AVX2 + FMA builds without AVX-512, calls the other two do not take): a panel of 16
 //   columns dequantized PASS_K of k at a time into an L1 scratch laid out as f32_matmul's
-//   packed panel, and f32_matmul's micro-kernel run over every row tile of a row block.
+//   packed panel, and f32_matmul's micro-kernel run over every row tile of a row block; a
+//   prompt-sized call dequantizes the whole weight once, for all its row blocks.
 //
 // Column paths share out units of COLUMN_UNIT columns as work_sharing.h does. Built by
 // kernels/cpu/kernel_loader.py with `cc -O3 -march=native -fopenmp`.

@@ -172,7 +172,7 @@ def test_a_graph_larger_than_the_batch_rows_is_refused(model):
 
 def test_sizes_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
-        DecodeGraphs([0], device=CPU, block_tables=[], layer_to_group=[], max_model_len=8)
+        DecodeGraphs([0], device=CPU, block_tables=[], max_model_len=8)
     with pytest.raises(ValueError, match="cuda_graph_sizes must be positive batch sizes, got -2"):
         EngineConfig(cuda_graph_sizes=[4, -2])
 
@@ -184,6 +184,7 @@ def test_sizes_must_be_positive():
         ({"cuda_graph_sizes": [4, 64]}, [4]),
         ({"enforce_eager": True}, []),
         ({"enable_lora": True}, []),
+        ({"max_num_batched_tokens": 20}, [1, 2, 4, 8, 16, 20]),  # no decode step is larger
     ],
 )
 def test_the_worker_captures_on_cuda_unless_eager_lora_or_no_kernels(
