@@ -117,14 +117,15 @@ class TorchDecodeReference:
     def replay_ms(self, num_steps: int, first_position: int) -> float:
         """Mean milliseconds per replayed step over `num_steps` positions from `first_position`."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.position.fill_(first_position)
-        self.graph.replay()  # the first replay uploads the graph
-        start.record()
-        for _ in range(num_steps):
-            self.graph.replay()
-            self.position.add_(1)
-            self.input_ids.copy_(self.next_ids)
-        end.record()
+        with torch.inference_mode():  # next_ids was made under it
+            self.position.fill_(first_position)
+            self.graph.replay()  # the first replay uploads the graph
+            start.record()
+            for _ in range(num_steps):
+                self.graph.replay()
+                self.position.add_(1)
+                self.input_ids.copy_(self.next_ids)
+            end.record()
         end.synchronize()
         return start.elapsed_time(end) / num_steps
 
