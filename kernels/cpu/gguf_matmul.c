@@ -519,6 +519,24 @@ static void dequantize_panel(const Call* c, int64_t first_column, int64_t begin,
     }
 }
 
+// Asks for the blocks of columns [first_column, first_column + 16) that hold k in [begin, end),
+// so that the next pass's dequantization finds them in cache while this pass's tiles run:
+// sixteen interleaved rows of blocks are more streams than the hardware prefetcher follows.
+// SmolLM2-135M's Q4_1 linears, 30 layers, 2 threads, AMD EPYC Zen 3 with AVX2, best of 12
+// alternating runs: 98 against 114 ms at 64 rows, 194 against 209 ms at 128; at 256 rows
+// (421 against 416) no different.
+static inline void prefetch_panel_blocks(const Call* c, int64_t first_column, int64_t begin,
+                                         int64_t end) {
+    const int64_t columns_left = c->num_columns - first_column;
+    const int64_t columns = columns_left < PANEL_COLUMNS ? columns_left : PANEL_COLUMNS;
+    const int64_t first_byte = begin / c->block_elements * c->block_bytes / 64 * 64;
+    const int64_t end_byte = end / c->block_elements * c->block_bytes;
+    for (int64_t col = 0; col < columns; ++col) {
+        const char* row = (const char*)(c->w + (first_column + col) * c->row_bytes);
+        for (int64_t at = first_byte; at < end_byte; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
+    }
+}
+
 // Row tiles [first_tile, end_tile) of `num_tiles` over the rows, times panel `panel`: from
 // `dequantized` (the whole panel, [k][16]) when not NULL, else dequantized PASS_K of k at a
 // time into an L1 scratch.
@@ -534,6 +552,10 @@ static void panel_unit(const Call* c, int64_t panel, int64_t first_tile, int64_t
         if (w == NULL) {
             dequantize_panel(c, first_column, begin, end, scratch);
             w = scratch - begin * PANEL_COLUMNS;
+            if (end < c->k)  // the next pass's blocks, else the next panel's first
+                prefetch_panel_blocks(c, first_column, end, end + PASS_K < c->k ? end + PASS_K : c->k);
+            else if (first_column + PANEL_COLUMNS < c->num_columns)
+                prefetch_panel_blocks(c, first_column + PANEL_COLUMNS, 0, PASS_K < c->k ? PASS_K : c->k);
         }
         for (int64_t t = first_tile; t < end_tile; ++t) {
             const int64_t row = c->rows * t / num_tiles;
