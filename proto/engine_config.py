@@ -214,8 +214,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         )
 
     def _check_cuda_graph_sizes(self) -> None:
-        """Batch sizes of the decode CUDA graphs: positive; those above max_num_seqs are
-        dropped by the worker (no step fills them). An empty list captures none."""
+        """Batch sizes of the decode CUDA graphs: positive; those above max_num_seqs (or the
+        step budget) are dropped by the worker (no step fills them). An empty list captures
+        none."""
         for size in self.cuda_graph_sizes or ():
             _check(size >= 1, f"cuda_graph_sizes must be positive batch sizes, got {size}")
 

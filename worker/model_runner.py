@@ -70,7 +70,6 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: StepMetadata
     group_metadata: list[AttentionMetadata]  # one per KV cache group
     sample_rows: np.ndarray
     logits_indices: torch.Tensor
@@ -207,17 +206,14 @@ class ModelRunner:
                 [metadata.slot_mapping for metadata in inputs.group_metadata],
                 inputs.group_metadata[0].seq_lens,
             )
+        metadata = self._step_metadata(inputs.group_metadata)
         if self.lora_manager is None:
-            return self.model.forward(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
-            )
+            return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
         batch = self.input_batch
         row_adapters = [self.requests[r].lora_request for r in batch.req_ids[: batch.num_reqs]]
         self.lora_manager.set_step(row_adapters, inputs.num_scheduled)
         try:
-            return self.model.forward(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
-            )
+            return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
         finally:
             self.lora_manager.clear_step()
 
@@ -405,7 +401,6 @@ class ModelRunner:
         return StepInputs(
             input_ids=input_ids,
             positions=positions_device,
-            metadata=self._step_metadata(group_metadata),
             group_metadata=group_metadata,
             sample_rows=sample_rows,
             logits_indices=logits_indices_device,
