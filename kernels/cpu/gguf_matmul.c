@@ -4,7 +4,7 @@
 // reads every weight once: 4.5 to 8.5 bits of it here instead of 32 (float32) or 16 (bf16).
 //
 // w is rows of blocks, one row per output column, `k / block_elements` blocks of `block_bytes`
-// each (kernels/cpu/gguf_matmul.py keeps a weight as one or more such segments). Three paths:
+// each (kernels/cpu/gguf_matmul.py keeps a weight as one or more such segments). Four paths:
 //
 // - The integer path (AVX2 builds; the 32-value types Q4_0, Q4_1, Q8_0; up to INT16_MAX_ROWS
 //   rows). x is rounded once per call to 16-bit integers per 32-value block (the block's
@@ -13,10 +13,15 @@
 //   block is widened to 16-bit lanes and vpmaddwd sums the products exactly in 32 bits; one
 //   float multiply-add per block applies the weight's and x's scales, and Q4_1's offset m adds
 //   m times the block's exact float sum of x. A weight block is read once for every row.
+// - The byte path (AVX2 builds; Q4_0 and Q4_1 past INT16_MAX_ROWS rows; gguf_bytes.h): x
+//   rounded to 8 bits per block, weights repacked 8 columns at a time once per call, and
+//   vpmaddubsw's 16-bit sums, as llama.cpp computes prompts (an error of up to half of 1/127
+//   of a block's largest |x| per value, which moves SmolLM2-135M's logprobs by up to ~0.35
+//   nats: tests/worker/test_gguf_quantization.py).
 // - The float column path (the K-quants at decode sizes, and every call on builds without
 //   AVX2): a column's blocks dequantized one at a time into L1, exactly as ggml does, and
 //   every row of x (float32) multiplied by it, DECODE_ROWS rows at a time.
-// - Panels (AVX2 + FMA builds without AVX-512, calls the other two do not take): a panel of 16
+// - Panels (AVX2 + FMA builds without AVX-512, calls the others do not take): a panel of 16
 //   columns dequantized PASS_K of k at a time into an L1 scratch laid out as f32_matmul's
 //   packed panel, and f32_matmul's micro-kernel run over every row tile of a row block; a
 //   prompt-sized call dequantizes the whole weight once, for all its row blocks.
@@ -89,6 +94,26 @@ static inline float sum_lanes(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+// rows[0..7] (8 floats each) transposed in place: rows[i][j] <-> rows[j][i].
+static inline void transpose8(__m256 rows[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(rows[0], rows[1]), t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(rows[2], rows[3]), t3 = _mm256_unpackhi_ps(rows[2], rows[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(rows[4], rows[5]), t5 = _mm256_unpackhi_ps(rows[4], rows[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(rows[6], rows[7]), t7 = _mm256_unpackhi_ps(rows[6], rows[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    rows[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    rows[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    rows[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    rows[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    rows[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    rows[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    rows[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    rows[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
 // Column n of `out` for every row, any block type: each block dequantized into `buffer`, two
@@ -412,6 +437,13 @@ static void int16_columns_unit(const Call* c, const RoundedX* r, int64_t first, 
 }
 #endif
 
+// ---- calls of more rows on Q4_0 and Q4_1: x as bytes, vpmaddubsw (gguf_bytes.h) -------------
+
+#if defined(INT16_BUILT)
+#define BYTES_BUILT 1
+#include "gguf_bytes.h"
+#endif
+
 // ---- the column paths' threads: runs of COLUMN_UNIT columns (work_sharing.h) ---------------
 
 // Columns [first, end) of every row, on the integer path when `rounded` is not NULL.
@@ -461,26 +493,6 @@ static void run_columns(const Call* c, const void* rounded, int32_t num_threads)
 // x rows of one row block (as f32_matmul: at most ~192 KiB of x, and at most 64 tiles).
 #define ROW_BLOCK_BYTES (192 * 1024)
 #define MAX_BLOCK_TILES 64
-
-// rows[0..7] (8 floats each) transposed in place: rows[i][j] <-> rows[j][i].
-static inline void transpose8(__m256 rows[8]) {
-    const __m256 t0 = _mm256_unpacklo_ps(rows[0], rows[1]), t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(rows[2], rows[3]), t3 = _mm256_unpackhi_ps(rows[2], rows[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(rows[4], rows[5]), t5 = _mm256_unpackhi_ps(rows[4], rows[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(rows[6], rows[7]), t7 = _mm256_unpackhi_ps(rows[6], rows[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    rows[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-    rows[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-    rows[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-    rows[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-    rows[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-    rows[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-    rows[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-    rows[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
 
 // One block of column `column` (< num_columns) at k = `at`, dequantized into `dst`.
 static inline void dequantize_column_block(const Call* c, int64_t column, int64_t at, float* dst) {
@@ -644,6 +656,16 @@ int gguf_matmul_integer_bits(void) {
 
 int gguf_matmul_integer_max_rows(void) { return INT16_MAX_ROWS; }
 
+// Bits x is rounded to on the byte path (8: Q4_0 and Q4_1 calls of more than
+// INT16_MAX_ROWS rows), or 0 where it is not built.
+int gguf_matmul_byte_bits(void) {
+#if defined(BYTES_BUILT)
+    return 8;
+#else
+    return 0;
+#endif
+}
+
 #if defined(INT16_BUILT)
 // `c` on the integer path: x rounded once, then the column units shared.
 static void run_integer(const Call* c, int32_t num_threads) {
@@ -696,6 +718,9 @@ void gguf_matmul(const float* x, int64_t x_stride, const uint8_t* w, int32_t typ
         run_integer(&c, num_threads);
         return;
     }
+#endif
+#if defined(BYTES_BUILT)
+    if ((type == GGML_Q4_0 || type == GGML_Q4_1) && run_bytes(&c, num_threads)) return;
 #endif
 #if defined(GGUF_PANELS_BUILT)
     if (rows > DECODE_ROWS) {

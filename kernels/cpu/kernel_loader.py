@@ -53,6 +53,7 @@ HEADERS = (
     KERNEL_DIR / "work_sharing.h",
     KERNEL_DIR / "f32_tiles.h",
     KERNEL_DIR / "gguf_blocks.h",
+    KERNEL_DIR / "gguf_bytes.h",
 )
 LIBRARY_NAME = "cpu_kernels"
 # -fno-trapping-math: no kernel unmasks floating-point exceptions, and without it GCC will not
@@ -231,6 +232,7 @@ def _declare(library: ctypes.CDLL) -> None:
     _signature(library.gguf_matmul_has_panels, [], ctypes.c_int)
     _signature(library.gguf_matmul_integer_bits, [], ctypes.c_int)
     _signature(library.gguf_matmul_integer_max_rows, [], ctypes.c_int)
+    _signature(library.gguf_matmul_byte_bits, [], ctypes.c_int)
     # x, x_stride, blocks, type, bias, out, out_stride, rows, k, num_columns, num_threads
     _signature(
         library.gguf_matmul,

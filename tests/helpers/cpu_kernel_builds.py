@@ -42,6 +42,7 @@ class KernelBuild:
     bf16_matmul_tile_columns: int  # 0: no bf16_matmul.c
     gguf_matmul_panels: bool  # gguf_matmul.c runs prompts on f32_matmul's micro-kernel
     gguf_matmul_integer_bits: int  # x's bits on gguf_matmul.c's integer path; 0: no such path
+    gguf_matmul_byte_bits: int  # x's bits on gguf_matmul.c's byte path; 0: no such path
 
     @property
     def readings(self) -> tuple[int, ...]:
@@ -54,6 +55,7 @@ class KernelBuild:
             self.bf16_matmul_tile_columns,
             int(self.gguf_matmul_panels),
             self.gguf_matmul_integer_bits,
+            self.gguf_matmul_byte_bits,
         )
 
 
@@ -69,6 +71,7 @@ PLAIN_C = KernelBuild(
     bf16_matmul_tile_columns=0,
     gguf_matmul_panels=False,
     gguf_matmul_integer_bits=0,
+    gguf_matmul_byte_bits=0,
 )
 AVX2 = KernelBuild(
     "avx2",
@@ -82,6 +85,7 @@ AVX2 = KernelBuild(
     bf16_matmul_tile_columns=0,
     gguf_matmul_panels=True,
     gguf_matmul_integer_bits=16,
+    gguf_matmul_byte_bits=8,
 )
 AVX512 = KernelBuild(
     "avx512",
@@ -95,6 +99,7 @@ AVX512 = KernelBuild(
     bf16_matmul_tile_columns=0,
     gguf_matmul_panels=False,
     gguf_matmul_integer_bits=16,
+    gguf_matmul_byte_bits=8,
 )
 AVX512_BF16 = KernelBuild(
     "avx512-bf16",
@@ -108,6 +113,7 @@ AVX512_BF16 = KernelBuild(
     bf16_matmul_tile_columns=64,
     gguf_matmul_panels=False,
     gguf_matmul_integer_bits=16,
+    gguf_matmul_byte_bits=8,
 )
 KERNEL_BUILDS = (PLAIN_C, AVX2, AVX512, AVX512_BF16)  # narrowest first
 
@@ -130,6 +136,7 @@ def read_build(library: ctypes.CDLL) -> tuple[int, ...]:
         library.bf16_matmul_tile_columns(),
         library.gguf_matmul_has_panels(),
         library.gguf_matmul_integer_bits(),
+        library.gguf_matmul_byte_bits(),
     )
 
 

@@ -51,6 +51,7 @@ print(json.dumps([
     library.bf16_matmul_tile_columns(),
     library.gguf_matmul_has_panels(),
     library.gguf_matmul_integer_bits(),
+    library.gguf_matmul_byte_bits(),
 ]))
 """
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")

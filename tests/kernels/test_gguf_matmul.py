@@ -2,10 +2,11 @@
 host runs: each block type dequantizes to exactly the gguf package's values, and a matmul
 equals the float64 product of those values up to float32 summation (the float column path:
 K-quants at decode sizes, every call of the plain C build; panels for f32_matmul's
-micro-kernel: prompt sizes on the AVX2 build), or up to float32 summation plus the rounding
-of x to 16-bit integers per 32-value block where the build reports that integer path (Q4_0,
-Q4_1, Q8_0 up to its row limit); with a bias, for weights of several segments of different
-types, and for an embedding lookup."""
+micro-kernel: prompt-sized Q8_0 and K-quant calls on the AVX2 build), or up to float32
+summation plus the rounding of x per 32-value block where the build reports such a path: to
+16-bit integers on the integer path (Q4_0, Q4_1, Q8_0 up to its row limit), to 8-bit ones on
+the byte path (Q4_0 and Q4_1 past that limit); with a bias, for weights of several segments of
+different types, and for an embedding lookup."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ gguf = pytest.importorskip("gguf")
 
 K = 512  # two K-quant blocks, sixteen 32-value blocks per row
 BLOCK32_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the integer path's
+BYTE_TYPES = (2, 3)  # Q4_0, Q4_1: the byte path's
 BUILD_PARAMS = build_params("gguf_matmul.c")
 
 
@@ -92,12 +94,21 @@ def rounded_x_error(x: torch.Tensor, integer_bits: int) -> torch.Tensor:
     return (step / 2 * (1 + 1e-6)).expand(*x.shape[:-1], -1, 32).reshape(x.shape)
 
 
+def rounding_bits(kernel, type_id: int, rows: int) -> int:
+    """The bits x is rounded to for a call of `rows` rows on `type_id`, as the build reports
+    its paths; 0: x is not rounded (a float path)."""
+    if type_id in BLOCK32_TYPES and rows <= kernel.gguf_matmul_integer_max_rows():
+        return kernel.gguf_matmul_integer_bits()
+    if type_id in BYTE_TYPES and rows > kernel.gguf_matmul_integer_max_rows():
+        return kernel.gguf_matmul_byte_bits()
+    return 0
+
+
 def assert_matmul(kernel, type_id, out, x, values, bias=None) -> None:
     """`out` is x @ values^T (+ bias) as the kernel's path for this call computes it: float32
-    sums, plus, on the integer path, at most sum |w| * (x's rounding error) more."""
-    integer_bits = kernel.gguf_matmul_integer_bits()
-    rows = x.reshape(-1, x.shape[-1]).shape[0]
-    if integer_bits and type_id in BLOCK32_TYPES and rows <= kernel.gguf_matmul_integer_max_rows():
+    sums, plus, on a path that rounds x, at most sum |w| * (x's rounding error) more."""
+    integer_bits = rounding_bits(kernel, type_id, x.reshape(-1, x.shape[-1]).shape[0])
+    if integer_bits:
         expected = x.double() @ values.double().T + (0 if bias is None else bias.double())
         bound = rounded_x_error(x, integer_bits) @ values.double().abs().T
         bound += (x.double().abs() @ values.double().abs().T) * 1e-6 + 1e-6
@@ -108,7 +119,7 @@ def assert_matmul(kernel, type_id, out, x, values, bias=None) -> None:
 
 
 @pytest.mark.parametrize("type_name", list(GGUF_MATMUL_TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 37, 800])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 11, 16, 17, 37, 800])
 def test_a_matmul_is_the_float32_sum_of_the_dequantized_products(kernel, type_name, rows):
     """42 columns: two whole panels and a part one, and columns past the last group of four
     on the integer path, on every path; 800 rows are nine row blocks of the panel path, enough
@@ -142,21 +153,25 @@ def test_one_or_two_rows_sum_whole_groups_of_blocks_and_the_blocks_past_them(
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_the_integer_path_rounds_x_per_block_within_its_bound(kernel, type_name):
+@pytest.mark.parametrize("copies", [1, 4])
+def test_the_rounding_paths_round_x_per_block_within_their_bound(kernel, type_name, copies):
     """Blocks of zeros, of one outlier among small values, and of values at exact steps (which
-    round without error, so the result is float32-exact there)."""
+    round without error, so the result is float32-exact there); 3 rows take the integer path,
+    12 (4 copies) the byte path for Q4_0 and Q4_1."""
     type_id = GGUF_MATMUL_TYPES[type_name]
     weight, values = gguf_weight(type_id, rows=20, seed=7)
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(3, K, generator=generator) * 1e-3
     x[0, :32] = 0.0  # a block of zeros
-    x[1, 40] = 50.0  # an outlier: its block's other values keep about 16 - 16 = 0 bits
-    steps = torch.randint(-32767, 32768, (K,), generator=generator).double()
-    steps[::32] = 32767  # each block's largest, so the step is exactly 2^-8
+    x[1, 40] = 50.0  # an outlier: its block's other values keep (almost) no bits
+    limit = 2 ** (max(rounding_bits(kernel, type_id, 3 * copies), 8) - 1) - 1
+    steps = torch.randint(-limit, limit + 1, (K,), generator=generator).double()
+    steps[::32] = limit  # each block's largest, so the step is exactly 2^-8
     x[2] = (steps * 2.0**-8).float()
+    x = x.repeat(copies, 1)
     out = weight.matmul(x)
     assert_matmul(kernel, type_id, out, x, values)
-    assert_float32_sums(out[2:], x[2:], values)
+    assert_float32_sums(out[2::3], x[2::3], values)
 
 
 @pytest.mark.parametrize("rows", [1, 9])
