@@ -26,7 +26,8 @@ POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("mp", "ray")
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 NULL_MODEL = "null"
-# --quantization: "gguf" keeps a GGUF file's quantized weights as their blocks (CPU kernels).
+# --quantization: "gguf" keeps a GGUF file's quantized weights as their blocks (CPU kernels);
+# None lets the worker choose (worker/quantization_choice.py).
 QUANTIZATIONS = ("gguf",)
 MIN_FRAME_BYTES = 4096
 
@@ -449,7 +450,9 @@ FIELD_HELP = {
     ),
     "quantization": (
         "gguf: compute a GGUF file's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) from their "
-        "blocks on the CPU, the weights' memory the file's size (None: dequantize them at load)"
+        "blocks on the CPU, the weights' memory the file's size (None: the same for a GGUF file "
+        "on a CPU whose kernels are the AVX2 build, unless --dtype, LoRA, speculative decoding, "
+        "tensor parallelism or --enforce-eager is asked; otherwise dequantize them at load)"
     ),
     "block_size": "tokens per KV cache block",
     "max_num_seqs": "most requests running in one step",

@@ -38,6 +38,7 @@ from core_engine.worker.model_executor.cpu_decoder import enable_cpu_decoder
 from core_engine.worker.model_executor.cpu_linear import model_weight_bytes, pack_linears
 from core_engine.worker.model_runner import ModelRunner
 from core_engine.worker.parallel_state import init_distributed
+from core_engine.worker.quantization_choice import resolve_quantization
 from core_engine.worker.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class Worker:
         self.config = config
         self.model_name = config.model
         self.device = resolve_device(config.device, rank if device_index is None else device_index)
-        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization)
+        self.quantization = self._resolve_quantization()
+        self.dtype = resolve_dtype(config.dtype, self.device, self.quantization)
         self.rank = rank
         self.world_size = world_size
         self.block_size = config.block_size
@@ -101,6 +103,19 @@ class Worker:
         self._max_model_len: int | None = None
         self.decodes_in_c = False  # decode steps run the layers in one C call (cpu_decoder.py)
         self.lora_manager: LoRAManager | None = None
+
+    def _resolve_quantization(self) -> str | None:
+        """`--quantization`, or the default `resolve_quantization` picks for the model (None
+        where the model cannot be found: loading it says why)."""
+        from core_engine.common.model_files import resolve_model_path
+
+        if self.config.quantization is not None or self.device.type != "cpu":
+            return self.config.quantization
+        try:
+            path = resolve_model_path(self.model_name)
+        except (FileNotFoundError, ValueError):
+            return None
+        return resolve_quantization(self.config, self.device, path)
 
     def load_model(self) -> None:
         """Resolves the model path, loads this rank's weights (on a CPU, linears pre-packed for
@@ -119,7 +134,7 @@ class Worker:
             self.dtype,
             tp_rank=self.rank,
             tp_size=self.world_size,
-            quantization=self.config.quantization,
+            quantization=self.quantization,
         )
         if self.device.type == "cpu":
             cpu_kernel_loader.set_enabled(not self.config.enforce_eager)
@@ -154,7 +169,12 @@ class Worker:
                 f"groups (sliding windows {windows} and full attention)"
             )
         dtype = str(self.dtype).removeprefix("torch.")
-        quantized = f", {self.config.quantization} weights" if self.config.quantization else ""
+        quantized = ""
+        if self.quantization is not None:
+            default = (
+                " (the default for a GGUF file here)" if self.config.quantization is None else ""
+            )
+            quantized = f", {self.quantization} weights{default}"
         in_c = ", decode layers in one C call" if self.decodes_in_c else ""
         if self.lora_manager is not None:
             in_c += (

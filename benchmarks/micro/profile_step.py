@@ -385,7 +385,7 @@ def main() -> None:
         "quick": args.quick,
         "machine": machine,
         "dtype": str(worker.dtype).removeprefix("torch."),
-        "quantization": args.quantization,
+        "quantization": worker.quantization,  # as asked, or the worker's default for the file
         "layers_in_c": getattr(decoder, "cpu_decoder", None) is not None,
         "threads": torch.get_num_threads(),
         "workload": workload.description,

@@ -1,8 +1,8 @@
 """Async scheduling on and off: `core-serve` with and without `--async-scheduling`, measured by
 vLLM's own client (`vllm bench serve`) in one run.
 
-Engines: the GGUF file's blocks as shipped (`--quantization gguf`) and the default path (the
-weights dequantized to the engine's dtype), each started without and with
+Engines: the GGUF file's blocks as shipped (`--quantization gguf`) and the dequantized path
+(`--dtype DTYPE`: the weights dequantized to the engine's dtype), each started without and with
 `--async-scheduling`, in the order off, on, off, on (`PASSES` passes), so that a drift of the
 machine's speed during the run shows up as a difference between passes rather than between
 settings. Workloads are one_user.py's: one user (8 prompts, 128 in / 128 out, one at a time,
@@ -47,9 +47,16 @@ from benchmarks.serving.one_user import (
     measure,
 )
 
-ENGINES = {"gguf": ["--quantization", "gguf"], "default": []}
+# Engine name -> its arguments; "--dtype" is followed by the run's dtype (an explicit dtype
+# keeps the dequantized path, the default for a GGUF file being its blocks on AVX2 builds).
+ENGINES = {"gguf": ["--quantization", "gguf"], "dequantized": ["--dtype"]}
 PASSES = 2
 SETTINGS = {"off": [], "on": ["--async-scheduling"]}
+
+
+def engine_arguments(engine: str, dtype: str) -> list[str]:
+    arguments = ENGINES[engine]
+    return [*arguments, dtype] if arguments[-1:] == ["--dtype"] else arguments
 
 
 def run_engine(args, work_dir: Path, engine: str) -> dict:
@@ -60,7 +67,7 @@ def run_engine(args, work_dir: Path, engine: str) -> dict:
     for pass_index in range(args.passes):
         measured = {}
         for setting, flags in SETTINGS.items():
-            argv = [*ENGINES[engine], *flags]
+            argv = [*engine_arguments(engine, args.dtype), *flags]
             print(f"core-serve {' '.join(argv)} (pass {pass_index + 1})", flush=True)
             log = work_dir / f"{engine}-{setting}-{pass_index}.log"
             with core_serve(argv, log) as url:
@@ -106,10 +113,10 @@ def render_markdown(result: dict) -> str:
     lines = ["# Async scheduling on and off: core-serve under vllm bench serve", "",
              machine_line(result["machine"]), "",
              f"Client: {result['client']}. Threads: {result['threads']}. Engine dtype of the "
-             f"default path: {result['dtype']}. Settings alternate off, on, off, on "
+             f"dequantized path: {result['dtype']}. Settings alternate off, on, off, on "
              f"({result['passes_per_engine']} passes per engine)."]  # fmt: skip
     for engine, engine_result in result["engines"].items():
-        lines += ["", f"## core-serve {' '.join(ENGINES[engine]) or '(default)'}", ""]
+        lines += ["", f"## core-serve {' '.join(engine_arguments(engine, result['dtype']))}", ""]
         rows = []
         for index, measured in enumerate(engine_result["passes"]):
             for setting in SETTINGS:

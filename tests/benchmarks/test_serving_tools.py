@@ -132,7 +132,7 @@ def test_rounds_merge_as_medians_and_the_targets_are_judged():
         return {"one user": row, "saturation": row}
 
     results = {
-        one_user.CORE_DEFAULT: server(20.0, 300.0, 100.0),
+        one_user.CORE_DEQUANTIZED: server(20.0, 300.0, 100.0),
         one_user.CORE_GGUF: server(8.0, 280.0, 160.0),
         one_user.LLAMA_SERVER: server(11.0, 500.0, 80.0),
         one_user.VLLM: server(25.0, 200.0, 100.0),
@@ -178,7 +178,8 @@ def test_async_scheduling_ratios_are_on_over_off_per_pass_and_their_median():
                              "identical_greedy": False}},
     }  # fmt: skip
     markdown = async_scheduling.render_markdown(result)
-    assert "| 2 | on | 8.00 |" in markdown
+    assert "| 2 | on | 8.00 |" in markdown and "## core-serve --quantization gguf" in markdown
+    assert async_scheduling.engine_arguments("dequantized", "bfloat16") == ["--dtype", "bfloat16"]
     assert "TPOT p50, one user 0.90" in markdown and "NOT identical" in markdown
 
 
