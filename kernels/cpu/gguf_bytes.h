@@ -44,22 +44,13 @@ typedef struct {
 
 // One block of x (32 values at `x`) rounded into `values`, its scale and sum.
 static void round_block_to_bytes(const float* x, int8_t* values, float* scale, float* sum) {
-    __m256 v[4], largest = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int j = 0; j < 4; ++j) {
-        v[j] = _mm256_loadu_ps(x + 8 * j);
-        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[j]));
-    }
-    const float amax = max_lanes(largest);
-    const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? BYTES_LIMIT / amax : 0.0f);
     __m256i q[4];
-    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+    const float amax = round_block_words(x, BYTES_LIMIT, q, sum);
     // Two packs interleave 32-bit groups across 128-bit lanes; the permute restores order.
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256((__m256i*)values, _mm256_permutevar8x32_epi32(packed, order));
     *scale = amax / BYTES_LIMIT;
-    *sum = sum_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
 }
 
 static void round_rows_to_bytes(const Call* c, const BytesX* r, int64_t row) {

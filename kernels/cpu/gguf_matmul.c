@@ -211,7 +211,12 @@ static inline float max_lanes(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-static void round_block(const float* x, int16_t* values, float* scale_sum) {
+// A 32-value block of x (at `x`) rounded to integers, its largest |x| mapping to `limit`:
+// `q` the values as four vectors of int32 (values 0-7, 8-15, 16-23, 24-31); returns the
+// block's largest |x|, and its float sum in `sum`. Shared by the integer and byte paths.
+static inline __attribute__((always_inline)) float round_block_words(const float* x,
+                                                                    const float limit,
+                                                                    __m256i q[4], float* sum) {
     __m256 v[4], largest = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int j = 0; j < 4; ++j) {
@@ -219,16 +224,21 @@ static void round_block(const float* x, int16_t* values, float* scale_sum) {
         largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[j]));
     }
     const float amax = max_lanes(largest);
-    const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? INT16_LIMIT / amax : 0.0f);
-    __m256i q[4];
+    const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? limit / amax : 0.0f);
     for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+    *sum = sum_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    return amax;
+}
+
+static void round_block(const float* x, int16_t* values, float* scale_sum) {
+    __m256i q[4];
+    const float amax = round_block_words(x, INT16_LIMIT, q, &scale_sum[1]);
     // packs interleaves 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi]; the permute restores order.
     const __m256i low = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
     const __m256i high = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
     _mm256_storeu_si256((__m256i*)values, low);
     _mm256_storeu_si256((__m256i*)(values + 16), high);
     scale_sum[0] = amax / INT16_LIMIT;
-    scale_sum[1] = sum_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
 }
 
 // x of `c` rounded into `r` (allocated by the caller: rows * k values, rows * k / 16 floats).
