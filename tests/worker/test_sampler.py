@@ -10,6 +10,7 @@ from core_engine.worker.sample.sampler import (
     Sampler,
     SamplingMetadata,
     _apply_penalties,
+    greedy_token_ids,
 )
 
 CPU = torch.device("cpu")
@@ -239,3 +240,18 @@ def test_several_penalized_rows_each_get_their_own_penalties_in_one_pass():
         expected = reference_penalized(logits[row], prompt, output, *params)
         torch.testing.assert_close(processed[row], expected)
     assert torch.equal(processed[1], logits[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_token_ids_are_torch_argmax_with_ties_nan_and_strides(dtype):
+    """The numpy route (CPU float32) and torch's agree on the first of equal largest values, on a
+    NaN counting as the largest, on all -inf rows and on a strided view (a padded vocab)."""
+    logits = torch.randn(6, 2 * VOCAB, generator=torch.Generator().manual_seed(3)).to(dtype)
+    logits[1, [7, 30]] = 50.0  # a tie: the first wins
+    logits[2, [4, 9]] = float("nan")
+    logits[3] = float("-inf")
+    view = logits[:, :VOCAB]  # rows 2 * VOCAB apart
+    for batch in (logits, view, view[4:5]):
+        ids = greedy_token_ids(batch)
+        assert ids.dtype == torch.int64 and ids.tolist() == batch.argmax(dim=-1).tolist()
+    assert greedy_token_ids(logits)[1:4].tolist() == [7, 4, 0]

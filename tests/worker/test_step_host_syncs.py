@@ -14,6 +14,7 @@ import torch
 
 from core_engine.proto import NewRequestData, SamplingParams, SchedulerOutput
 from core_engine.proto.worker_messages import CachedRequestData
+from core_engine.worker.sample import rejection_sampler, sampler
 from tests.helpers.tiny_causal_lm import TinyCausalLM
 from tests.worker.test_model_runner import make_runner
 
@@ -68,6 +69,25 @@ def forward_not_counted(model: TinyCausalLM, counter: HostReadCounter) -> None:
     model.forward, model.compute_logits = quiet_forward, quiet_logits
 
 
+def cpu_argmax_not_counted(monkeypatch, counter: HostReadCounter) -> None:
+    """greedy_token_ids reads CPU logits through numpy, a device's through torch.argmax
+    (test_greedy_token_ids_of_device_logits_read_nothing): its CPU route is not counted."""
+    greedy = sampler.greedy_token_ids
+
+    def quiet_greedy(logits):
+        with counter.paused():
+            return greedy(logits)
+
+    for module in (sampler, rejection_sampler):
+        monkeypatch.setattr(module, "greedy_token_ids", quiet_greedy)
+
+
+def test_greedy_token_ids_of_device_logits_read_nothing(counter):
+    logits = torch.empty(3, 50, device="meta")  # any device but the CPU takes torch's route
+    assert sampler.greedy_token_ids(logits).shape == (3,)
+    assert counter.reads == []
+
+
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=8),
     SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3, max_tokens=8),
@@ -76,9 +96,10 @@ PARAMS = [
 
 
 @pytest.mark.parametrize("num_requests", [1, 3])
-def test_a_step_reads_the_device_once_the_sampled_ids(counter, num_requests):
+def test_a_step_reads_the_device_once_the_sampled_ids(counter, monkeypatch, num_requests):
     model = TinyCausalLM()
     forward_not_counted(model, counter)
+    cpu_argmax_not_counted(monkeypatch, counter)
     runner = make_runner(model, num_blocks=32)
     new_reqs = [
         # Two blocks of 4 slots each: the 5 prompt tokens and the 3 decoded ones.

@@ -34,6 +34,7 @@ from core_engine.worker.sample.sampler import (
     SamplingMetadata,
     apply_logits_processors,
     gather_logprobs,
+    greedy_token_ids,
     raw_logprobs_if_needed,
     target_probs,
 )
@@ -124,7 +125,7 @@ class RejectionSampler:
         """Per request, the length of its run of accepted drafts (0..K)."""
         rows = torch.from_numpy(layout.draft_rows).to(logits.device)
         draft_ids = torch.from_numpy(layout.draft_ids).to(logits.device)
-        accepted = logits[rows].argmax(dim=-1) == draft_ids
+        accepted = greedy_token_ids(logits[rows]) == draft_ids
         if probs is not None:
             u = self.sampler.uniform(len(layout.draft_ids), _draft_spans(metadata, layout))
             randomly_accepted = u < probs[rows, draft_ids]
@@ -152,7 +153,7 @@ class RejectionSampler:
         removed for the bonus row)."""
         final_rows_np = layout.row_starts + num_accepted
         final_rows = torch.from_numpy(final_rows_np).to(logits.device)
-        tokens = logits[final_rows].argmax(dim=-1)
+        tokens = greedy_token_ids(logits[final_rows])
         if probs is None:
             return tokens
         residual = probs[final_rows]
