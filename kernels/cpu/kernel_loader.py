@@ -45,6 +45,7 @@ SOURCES = tuple(
         "gguf_matmul.c",
         "decode_layers.c",
         "lora_shrink_expand.c",
+        "softmax_sample.c",
     )
 )
 HEADERS = (
@@ -249,6 +250,10 @@ def _declare(library: ctypes.CDLL) -> None:
         library.lora_shrink_expand,
         [pointer, pointer, pointer, pointer, pointer, i32, i64, i64, i64, i64, i64, i32],
         ctypes.c_int,
+    )
+    # logits, row_stride, num_rows, vocab, temperatures, uniforms, tokens, num_threads
+    _signature(
+        library.softmax_sample, [pointer, i64, i64, i64, pointer, pointer, pointer, i32], i64
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from core_engine.kernels.cpu import softmax_sample as cpu_softmax_sample
 from core_engine.proto import TokenLogprobs
 from core_engine.worker.sample.inverse_cdf import sample_inverse_cdf
 
@@ -124,7 +125,7 @@ class Sampler:
         if flags.all_greedy:
             sampled = greedy_token_ids(logits)
         else:
-            sampled = self.random_sample(target_probs(logits, metadata), metadata.generators)
+            sampled = self._random_tokens(logits, metadata)
             if flags.any_greedy:
                 is_greedy = metadata.temperature == 0.0
                 sampled = torch.where(is_greedy, greedy_token_ids(logits), sampled)
@@ -138,14 +139,30 @@ class Sampler:
         drawn with probability proportional to its entry, from one uniform draw per row (see
         `inverse_cdf`). Row i draws from `generators[i]` when given, else from the sampler's
         own generator."""
+        return sample_inverse_cdf(probs, self._row_uniforms(probs.shape[0], generators))
+
+    def _random_tokens(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """`random_sample` of `target_probs`; on CPU logits with no min-p, top-k or top-p, the
+        same draw in one C kernel from the logits and temperatures (softmax_sample.c)."""
+        flags = metadata.get_flags()
+        filtered = flags.any_min_p or flags.any_top_k or flags.any_top_p
+        if filtered or not cpu_softmax_sample.supports(logits):
+            return self.random_sample(target_probs(logits, metadata), metadata.generators)
+        uniforms = self._row_uniforms(logits.shape[0], metadata.generators)
+        temperature = torch.where(metadata.temperature == 0.0, 1.0, metadata.temperature)
+        return cpu_softmax_sample.softmax_sample(logits, temperature, uniforms)
+
+    def _row_uniforms(self, num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """float64 [num_rows] in [0, 1): row i's from `generators[i]` when given, else from
+        the sampler's own generator."""
         uniforms = torch.rand(
-            probs.shape[0], generator=self._generator, device=self._device, dtype=torch.float64
+            num_rows, generator=self._generator, device=self._device, dtype=torch.float64
         )
         for row, generator in generators.items():
             uniforms[row] = torch.rand(
                 (), generator=generator, device=self._device, dtype=torch.float64
             )
-        return sample_inverse_cdf(probs, uniforms)
+        return uniforms
 
     def uniform(
         self, num_values: int, generator_spans: dict[tuple[int, int], torch.Generator]
