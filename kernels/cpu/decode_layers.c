@@ -1,7 +1,8 @@
-// A Llama decoder stack's layers in one call: for every layer the add + RMSNorm, the qkv
-// projection, rotary, the KV write, paged attention, the o projection, the second add +
-// RMSNorm, gate_up with SiLU-and-mul and the down projection, each through the same C entry
-// point (and so the same arithmetic) the Python layers call one at a time. A decode step of
+// A Llama decoder stack's layers in one call, from the embeddings to the final norm: for every
+// layer the add + RMSNorm, the qkv projection, rotary, the KV write, paged attention, the o
+// projection, the second add + RMSNorm, gate_up with SiLU-and-mul and the down projection, then
+// the model's final add + RMSNorm, each through the same C entry point (and so the same
+// arithmetic) the Python layers call one at a time. A decode step of
 // SmolLM2-135M makes some 300 such calls; from Python each costs tens of microseconds of tensor
 // bookkeeping, more than the kernel itself at batch 1 (kernels/cpu/decode_layers.py says when
 // the engine takes this path).
@@ -83,6 +84,7 @@ typedef struct {
     const DecoderLayer* layers;
     int32_t num_layers, hidden_size, num_q_heads, num_kv_heads, head_dim, intermediate_size;
     float rms_norm_eps, attention_scale;
+    const float* final_norm;  // [hidden]: the model's norm after the last layer
 } DecoderStack;
 
 // The parts timed when `part_seconds` is not NULL (benchmarks.micro.profile_step reads them).
@@ -212,31 +214,37 @@ static void mlp_block(const DecoderLayer* layer, const DecodeStep* s, const floa
     charge(s, PART_LINEARS, clock);
 }
 
-// Layers [0, num_layers) of `m` over one step. On entry `normed` [T, hidden] is the first
-// layer's input norm output and `residual` [T, hidden] its residual stream (the embeddings);
-// on return `projected` [T, hidden] is the last layer's MLP output and `residual` the stream
-// before it (so the final norm adds the two), as LlamaDecoderLayer.forward leaves them.
-// `normed` is scratch after the first layer. Returns 0, or -1 when attention could not
-// allocate its scores.
-int decode_layers(const DecoderStack* m, DecodeStep* s, float* normed, float* residual,
-                  float* projected) {
+// The model from its embeddings to its final norm over one step: `out` [T, hidden] = the final
+// norm of the last layer's output added to the residual stream, every norm the fused add +
+// RMSNorm the Python layers call (the first one onto a zero stream, as LlamaDecoderLayer's
+// input_norm does, so the stream starts as the embeddings exactly). `residual`, `normed` and
+// `projected` [T, hidden] are scratch. Returns 0, or -1 when attention could not allocate its
+// scores.
+int decode_layers(const DecoderStack* m, DecodeStep* s, const float* embeddings, float* residual,
+                  float* normed, float* projected, float* out) {
     double clock = s->part_seconds != NULL ? seconds_now() : 0.0;
+    const int64_t tokens = s->num_tokens, hidden = m->hidden_size;
+    memset(residual, 0, sizeof(float) * tokens * hidden);
+    const float* layer_input = embeddings;
     for (int32_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer* layer = &m->layers[i];
-        if (i > 0) {
-            fused_add_rms_norm(projected, residual, layer->input_norm, normed, 0, s->num_tokens,
-                               m->hidden_size, m->rms_norm_eps, s->num_threads);
-            charge(s, PART_NORMS, &clock);
-        }
+        fused_add_rms_norm(layer_input, residual, layer->input_norm, normed, 0, tokens, hidden,
+                           m->rms_norm_eps, s->num_threads);
+        charge(s, PART_NORMS, &clock);
         if (attention_block(m, layer, s, normed, residual, projected, &clock) != 0) return -1;
         mlp_block(layer, s, normed, projected, &clock);
+        layer_input = projected;
     }
+    fused_add_rms_norm(projected, residual, m->final_norm, out, 0, tokens, hidden, m->rms_norm_eps,
+                       s->num_threads);
+    charge(s, PART_NORMS, &clock);
     return 0;
 }
 
 // sizeof of the structs, and the offsets the ctypes twins must match, for the tests:
 // [Linear, DecoderLayer, DecoderStack, DecodeStep sizes; DecodeStep.attention, .part_seconds,
-// DecoderLayer.kv_cache, Linear.bias, Linear.lora_slots, DecodeStep.lora_token_slots offsets].
+// DecoderLayer.kv_cache, Linear.bias, Linear.lora_slots, DecodeStep.lora_token_slots,
+// DecoderStack.final_norm offsets].
 int64_t decode_layers_layout(int64_t* out, int32_t capacity) {
     const int64_t all[] = {
         sizeof(Linear),
@@ -249,6 +257,7 @@ int64_t decode_layers_layout(int64_t* out, int32_t capacity) {
         offsetof(Linear, bias),
         offsetof(Linear, lora_slots),
         offsetof(DecodeStep, lora_token_slots),
+        offsetof(DecoderStack, final_norm),
     };
     const int32_t count = (int32_t)(sizeof(all) / sizeof(all[0]));
     for (int32_t i = 0; i < count && i < capacity; ++i) out[i] = all[i];

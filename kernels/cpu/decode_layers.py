@@ -64,6 +64,7 @@ class DecoderStack(ctypes.Structure):
         ("intermediate_size", ctypes.c_int32),
         ("rms_norm_eps", ctypes.c_float),
         ("attention_scale", ctypes.c_float),
+        ("final_norm", ctypes.c_void_p),
     )
 
 
@@ -88,7 +89,7 @@ class DecodeStep(ctypes.Structure):
 
 def layout_matches(library: ctypes.CDLL) -> bool:
     """Whether these structs have the compiled ones' sizes and checked offsets."""
-    reported = (ctypes.c_int64 * 10)()
+    reported = (ctypes.c_int64 * 11)()
     count = library.decode_layers_layout(reported, len(reported))
     expected = (
         ctypes.sizeof(Linear),
@@ -101,6 +102,7 @@ def layout_matches(library: ctypes.CDLL) -> bool:
         Linear.bias.offset,
         Linear.lora_slots.offset,
         DecodeStep.lora_token_slots.offset,
+        DecoderStack.final_norm.offset,
     )
     return count == len(expected) and tuple(reported) == expected
 

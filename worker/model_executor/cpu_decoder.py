@@ -36,7 +36,9 @@ class CpuDecoderStack:
     Invariant: the layers' weights outlive this object (the structs hold their addresses).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], structs: ctypes.Array) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], final_norm: nn.Module, structs: ctypes.Array
+    ) -> None:
         first = layers[0].self_attn
         proj = first.qkv_proj
         self.num_q_heads, self.num_kv_heads = proj.num_heads, proj.num_kv_heads
@@ -54,6 +56,7 @@ class CpuDecoderStack:
             intermediate_size=self.intermediate_size,
             rms_norm_eps=layers[0].input_layernorm.eps,
             attention_scale=first.scale,
+            final_norm=final_norm.weight.data_ptr(),
         )
         self._bound_caches: tuple[int, ...] = ()
         # The LoRA step the layers' adapters read (None without LoRA): its token slots go to
@@ -65,17 +68,22 @@ class CpuDecoderStack:
         self.part_seconds: ctypes.Array | None = None
 
     @staticmethod
-    def of(layers: Sequence[nn.Module]) -> CpuDecoderStack | None:
-        """The stack of `layers` (LlamaDecoderLayer modules, packed for the CPU), or None when
-        the C kernels are not loaded or any layer has a part the C driver does not run."""
+    def of(layers: Sequence[nn.Module], final_norm: nn.Module) -> CpuDecoderStack | None:
+        """The stack of `layers` (LlamaDecoderLayer modules, packed for the CPU) and the
+        model's `final_norm`, or None when the C kernels are not loaded or any part is not one
+        the C driver runs (every norm an RMSNorm of float32 weights and the first one's eps)."""
         library = cpu_kernel_loader.load()
         if library is None or not layers or not c_decode.layout_matches(library):
+            return None
+        eps = layers[0].input_layernorm.eps
+        norms = [final_norm, *(n for layer in layers for n in _layer_norms(layer))]
+        if not all(type(n) is RMSNorm and _is_float32(n.weight) and n.eps == eps for n in norms):
             return None
         structs = (c_decode.DecoderLayer * len(layers))()
         for struct, layer in zip(structs, layers, strict=True):
             if not _describe_layer(layer, struct):
                 return None
-        return CpuDecoderStack(layers, structs)
+        return CpuDecoderStack(layers, final_norm, structs)
 
     def takes(
         self,
@@ -92,21 +100,18 @@ class CpuDecoderStack:
 
     def run(
         self,
-        normed: torch.Tensor,
-        residual: torch.Tensor,
+        embeddings: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_caches: Sequence[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Every layer from the first one's attention on, for a step it `takes`: `normed`
-        [T, hidden] is the first layer's input norm output, `residual` its float32 residual
-        stream (updated in place). Returns the last layer's MLP output, as the Python layers
-        leave it."""
-        plan = self._plan(residual, kv_caches, metadata)
-        if plan is None or normed.shape != residual.shape or normed.dtype != FLOAT32:
+        """The decoder over a step it `takes`, from its float32 `embeddings` [T, hidden] to
+        the final norm's output [T, hidden], as LlamaModel.forward's Python layers give it."""
+        plan = self._plan(embeddings, kv_caches, metadata)
+        if plan is None:
             raise ValueError("CpuDecoderStack.run got a step it does not take (see takes)")
         self._bind(kv_caches)
-        tokens = normed.shape[0]
+        tokens = embeddings.shape[0]
         q_width = self.num_q_heads * self.head_dim
         qkv_width = q_width + 2 * self.num_kv_heads * self.head_dim
         scratch = {
@@ -129,18 +134,20 @@ class CpuDecoderStack:
             lora_token_slots=self._lora_token_slots(tokens),
             **{name: tensor.data_ptr() for name, tensor in scratch.items()},
         )
-        normed = normed.contiguous()
-        projected = torch.empty(tokens, self.hidden_size, dtype=FLOAT32)
+        rows = torch.empty(4, tokens, self.hidden_size, dtype=FLOAT32)
+        residual, normed, projected, out = rows
         status = cpu_kernel_loader.load().decode_layers(
             ctypes.byref(self.stack),
             ctypes.byref(step),
-            normed.data_ptr(),
+            embeddings.data_ptr(),
             residual.data_ptr(),
+            normed.data_ptr(),
             projected.data_ptr(),
+            out.data_ptr(),
         )
         if status != 0:
             raise MemoryError("CPU attention could not allocate its scores")
-        return projected
+        return out
 
     def _lora_token_slots(self, num_tokens: int) -> int | None:
         """The address of the step's int32 token slots when some token runs an adapter."""
@@ -203,9 +210,7 @@ class CpuDecoderStack:
 def _describe_layer(layer: nn.Module, struct: c_decode.DecoderLayer) -> bool:
     """Fills `struct` from a LlamaDecoderLayer; False when a part is not the driver's."""
     attention, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not all(type(norm) is RMSNorm and _is_float32(norm.weight) for norm in norms):
-        return False
+    norms = _layer_norms(layer)
     if attention.q_norm is not None or attention.sliding_window is not None:
         return False
     if type(mlp.act_fn) is not SiluAndMul or attention.o_proj.tp_size != 1:
@@ -231,6 +236,10 @@ def _describe_layer(layer: nn.Module, struct: c_decode.DecoderLayer) -> bool:
     struct.input_norm = norms[0].weight.data_ptr()
     struct.post_attention_norm = norms[1].weight.data_ptr()
     return True
+
+
+def _layer_norms(layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+    return layer.input_layernorm, layer.post_attention_layernorm
 
 
 def _is_float32(tensor: torch.Tensor) -> bool:

@@ -163,8 +163,8 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: token ids -> last hidden states.
 
     `cpu_decoder` (set by the CPU worker once the linears are packed, see
-    `enable_cpu_decoder`) runs the layers of the steps it takes in one C call, with the same
-    result as the loop over them."""
+    `enable_cpu_decoder`) runs the steps it takes from the embeddings to the final norm in one
+    C call, with the same result as the loop over the layers."""
 
     cpu_decoder: CpuDecoderStack | None = None
 
@@ -189,10 +189,7 @@ class LlamaModel(nn.Module):
         hidden_states, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary_emb(positions)
         if self._decodes_in_c(hidden_states, kv_caches, metadata):
-            normed, residual = self.layers[0].input_norm(hidden_states, None)
-            output = self.cpu_decoder.run(normed, residual, cos_sin, kv_caches, metadata)
-            hidden_states, _ = self.norm(output, residual)
-            return hidden_states
+            return self.cpu_decoder.run(hidden_states, cos_sin, kv_caches, metadata)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(hidden_states, residual, cos_sin, kv_cache, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -208,7 +205,7 @@ class LlamaModel(nn.Module):
     def enable_cpu_decoder(self) -> bool:
         """Describes the layers to the C decode driver when it runs all of them (a CPU model
         with packed linears); whether it does."""
-        self.cpu_decoder = CpuDecoderStack.of(list(self.layers))
+        self.cpu_decoder = CpuDecoderStack.of(list(self.layers), self.norm)
         return self.cpu_decoder is not None
 
 
