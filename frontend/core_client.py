@@ -62,7 +62,7 @@ HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 10_000
 # Attach: how long no core may have connected before the client says so.
 NO_CORE_WARNING_S = 5.0
-# How long a core seen gone during start-up may take to deliver what it sent before it went.
+# How long a core seen gone may take to deliver what it sent before it went.
 LAST_WORDS_WAIT_S = 0.5
 
 
@@ -141,6 +141,7 @@ class AsyncCoreClient:
         self._core_connected = False  # attach: a core's connection was seen
         self._warned_no_core = False
         self._core_disconnected = False
+        self._core_gone_since: float | None = None  # loop time the core was first seen gone
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._request_id_to_queue: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
@@ -414,10 +415,16 @@ class AsyncCoreClient:
 
     def _check_core(self) -> None:
         """Every POLL_INTERVAL_S: outputs the core sent before dying are delivered first, then
-        a core that is gone marks the client dead."""
+        a core that is gone marks the client dead, once its last words (EngineDead, which says
+        why) have had LAST_WORDS_WAIT_S to arrive: the process can be seen exited before the
+        message it sent on its way out has crossed ZeroMQ's I/O threads."""
         self._read_outputs()
         if not self.is_dead and (reason := self._core_gone_reason()) is not None:
-            self._die(reason)
+            now = asyncio.get_running_loop().time()
+            if self._core_gone_since is None:
+                self._core_gone_since = now
+            if now - self._core_gone_since >= LAST_WORDS_WAIT_S:
+                self._die(reason)
         if not self.is_dead:
             loop = asyncio.get_running_loop()
             self._liveness_timer = loop.call_later(POLL_INTERVAL_S, self._check_core)
