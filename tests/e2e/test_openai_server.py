@@ -267,6 +267,8 @@ def test_client_disconnect_mid_stream_aborts_the_request(server):
     # 60000 null tokens take many seconds: only an abort can free the blocks in time.
     body = {"model": MODEL_NAME, "prompt": "long", "max_tokens": 60000, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    # The server is shared: earlier tests' requests may still be finishing under load.
+    assert wait_until(lambda: metric(server.base_url, "num_requests_running") == 0, 30.0)
     with (
         httpx.Client(timeout=30) as http,
         http.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers) as r,
