@@ -168,6 +168,13 @@ def kernel_library(build: KernelBuild, tmp_path_factory) -> ctypes.CDLL:
     return default
 
 
+def use_kernel_library(build: KernelBuild, tmp_path_factory, monkeypatch) -> ctypes.CDLL:
+    """`kernel_library(build)`, made what `cpu_kernel_loader.load` returns for the test."""
+    library = kernel_library(build, tmp_path_factory)
+    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
+    return library
+
+
 def requires_cpu_flags(*flags: str, kernel: str) -> pytest.MarkDecorator:
     """Marks a test of `kernel` (a C file, or a path in one) that runs instructions only CPUs
     with every one of `flags` have. tests/conftest.py skips it elsewhere, with

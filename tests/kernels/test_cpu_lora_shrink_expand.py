@@ -14,7 +14,7 @@ from core_engine.kernels.cpu import lora_shrink_expand as cpu_lora
 from core_engine.kernels.lora_operands import LoRAOperandError
 from tests.helpers.cpu_kernel_builds import (
     build_params,
-    kernel_library,
+    use_kernel_library,
 )
 from tests.helpers.lora_shrink_expand_cases import (
     LoRACase,
@@ -34,8 +34,7 @@ def build(request):
 @pytest.fixture
 def kernel(build, tmp_path_factory, monkeypatch):
     """Makes `cpu_kernel_loader.load` return a library of `build`."""
-    library = kernel_library(build, tmp_path_factory)
-    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
+    library = use_kernel_library(build, tmp_path_factory, monkeypatch)
     return library
 
 

@@ -12,7 +12,7 @@ import torch
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu import softmax_sample as cpu_softmax_sample
 from core_engine.worker.sample.inverse_cdf import sample_inverse_cdf
-from tests.helpers.cpu_kernel_builds import build_params, compiler, kernel_library
+from tests.helpers.cpu_kernel_builds import build_params, compiler, use_kernel_library
 
 BUILD_PARAMS = build_params("softmax_sample.c")
 # Where a draw may land outside its token's float64 interval: float32 sums of the weights are
@@ -28,8 +28,7 @@ def build(request):
 @pytest.fixture
 def kernel(build, tmp_path_factory, monkeypatch):
     """Makes `cpu_kernel_loader.load` return a library of `build`."""
-    library = kernel_library(build, tmp_path_factory)
-    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
+    library = use_kernel_library(build, tmp_path_factory, monkeypatch)
     return library
 
 

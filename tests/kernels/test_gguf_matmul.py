@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu.gguf_matmul import (
     BLOCK_SHAPES,
     GGUF_MATMUL_TYPES,
@@ -24,7 +23,7 @@ from core_engine.kernels.cpu.gguf_matmul import (
 from tests.helpers.cpu_kernel_builds import (
     assert_float32_sums,
     build_params,
-    kernel_library,
+    use_kernel_library,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -43,8 +42,7 @@ def build(request):
 @pytest.fixture
 def kernel(build, tmp_path_factory, monkeypatch):
     """Makes `cpu_kernel_loader.load` return a library of `build`."""
-    library = kernel_library(build, tmp_path_factory)
-    monkeypatch.setattr(cpu_kernel_loader, "load", lambda: library)
+    library = use_kernel_library(build, tmp_path_factory, monkeypatch)
     assert library.gguf_matmul_has_panels() == int(build.gguf_matmul_panels)
     return library
 
