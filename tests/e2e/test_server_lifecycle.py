@@ -97,6 +97,9 @@ class StreamReader(threading.Thread):
                     self.events.append(line.removeprefix("data: "))
                     self.first_chunk.set()
 
+    def is_done(self) -> bool:
+        return self.events[-1:] == ["[DONE]"]
+
     def error(self) -> dict:
         """The error event just before [DONE]."""
         assert self.events[-1] == "[DONE]", self.events[-3:]
@@ -202,10 +205,16 @@ def test_ctrl_c_drains_running_streams_then_ends_the_rest_and_exits_0(tmp_path, 
     )  # fmt: skip
     pids = descendant_pids(server.process.pid)
     try:
-        short_tokens = max(2000, int(5.0 * _null_tokens_per_s(server)))
+        tokens_per_s = _null_tokens_per_s(server)
+        short_tokens = max(2000, int(5.0 * tokens_per_s))
         (long,) = start_streams(server, 900_000)  # first: the short one ends sooner
         (short,) = start_streams(server, short_tokens)
-        assert wait_until(lambda: _num_requests_running(server) == 2, 30.0), server.log_tail()
+        both_run = wait_until(lambda: short.is_done() or _num_requests_running(server) == 2, 30.0)
+        # The premise: the short one is still streaming when the signal comes.
+        speeds = f"{tokens_per_s:.0f} tokens/s measured, short {short_tokens} tokens"
+        assert both_run and not short.is_done(), (
+            f"{speeds}; {short.events[-2:]}; {server.log_tail()}"
+        )
         # As a terminal does: the whole foreground process group gets SIGINT.
         os.killpg(server.process.pid, signal.SIGINT)
         signalled_at = time.monotonic()
@@ -229,7 +238,7 @@ def test_ctrl_c_drains_running_streams_then_ends_the_rest_and_exits_0(tmp_path, 
     }
     assert drain_s <= stopped_s < drain_s + 15
     log = server.log_tail(200_000)
-    assert "SIGINT received" in log and "2 running requests" in log
+    assert re.search(r"SIGINT received: .*; 2 running requests get up to", log), log
     # INFO only: no process had to be killed, nothing failed.
     assert "WARNING" not in log and "ERROR" not in log and "Traceback" not in log
     assert_nothing_left(pids, ipc_parent)
@@ -273,7 +282,13 @@ def test_a_signal_during_start_up_stops_it_without_waiting_for_the_model(tmp_pat
 
 
 def _null_tokens_per_s(server: ServerProcess, num_tokens: int = 4000) -> float:
-    """How fast this server generates null tokens now, from one request of `num_tokens`."""
+    """How fast this server generates null tokens, the faster of two requests of `num_tokens`:
+    a fresh server's first request also pays its warm-up, and under load a request sized by
+    that alone could end before it was seen running."""
+    return max(_null_request_tokens_per_s(server, num_tokens) for _ in range(2))
+
+
+def _null_request_tokens_per_s(server: ServerProcess, num_tokens: int) -> float:
     started = time.monotonic()
     body = {"prompt": "x", "max_tokens": num_tokens}
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
