@@ -4,10 +4,14 @@
 // - x is rounded once per call to 8-bit integers per 32-value block (the block's largest |x|
 //   maps to 127: an error of at most half a step, 1/254 of that value), with the block's scale
 //   and its exact float sum (`BytesX`).
-// - Each group of 8 columns is repacked once per call (`BytesGroup`): per block, the 32 nibbles
-//   of each column widened to bytes and laid out as 8 vectors of 32 bytes, vector g holding
-//   values 4g..4g+3 of the 8 columns; and the 8 columns' d and m as floats (Q4_0: m = -8 d, as
-//   its values are d (q - 8)). That is twice the nibbles' bytes, for one call's weight.
+// - Each group of 8 columns is repacked by the thread that takes it (`BytesGroup`), into a
+//   buffer of its own that stays in L1: per block, the 32 nibbles of each column widened to
+//   bytes and laid out as 8 vectors of 32 bytes, vector g holding values 4g..4g+3 of the 8
+//   columns; and the 8 columns' d and m as floats (Q4_0: m = -8 d, as its values are d (q - 8)).
+//   The thread then runs every row of the call (or its run of them, where the groups are too few
+//   to share out) over it. Repacking all groups first into one call-wide buffer (twice the
+//   nibbles' bytes, read back from L3 or memory) and sharing out 64-row blocks took 1.07-1.2x
+//   as long (2 Zen 3 cores, 60 to 941 rows of SmolLM2-135M's linears).
 // - vpmaddubsw multiplies a vector by x's 4 values of the same k broadcast to every column, and
 //   the 8 products of a block add up in 16-bit lanes (8 * 2 * 15 * 127 = 30480 < 32767: no
 //   saturation); one vpmaddwd, one convert and one multiply-add per block and row then scale
@@ -23,9 +27,9 @@
 #define GGUF_BYTES_H
 
 // A tile: 4 rows times one group of 8 columns (4 rows of 16-bit sums and 4 of float sums in
-// registers). Two groups a tile, 6 rows, or row blocks of 32 or 128 measured no different.
+// registers). Two groups a tile or 6 rows measured no different.
 #define BYTES_TILE_ROWS 4
-#define BYTES_ROW_BLOCK 64  // rows of one work unit
+#define UNITS_PER_THREAD 8  // work units a call gives each thread at least, where it can
 #define BYTES_LIMIT 127.0f
 
 typedef struct {
@@ -157,13 +161,23 @@ static void* bytes_scratch_of(size_t size) {
     return bytes_scratch;
 }
 
+// Row runs per group of a call: one (a group's repacked blocks serve every row while they sit
+// in L1) unless the groups are too few to share out among the threads, UNITS_PER_THREAD each.
+static int64_t row_runs_per_group(const Call* c, int32_t num_threads) {
+    const int64_t num_groups = (c->num_columns + 7) / 8;
+    const int64_t wanted = (UNITS_PER_THREAD * (int64_t)num_threads + num_groups - 1) / num_groups;
+    const int64_t most = (c->rows + BYTES_TILE_ROWS - 1) / BYTES_TILE_ROWS;
+    return wanted < 1 ? 1 : wanted < most ? wanted : most;
+}
+
 // `c` on the byte path; 0 when its scratch could not be had (the caller takes another path).
 static int run_bytes(const Call* c, int32_t num_threads) {
     const int64_t num_blocks = c->k / 32, num_groups = (c->num_columns + 7) / 8;
     const size_t x_bytes = (size_t)((c->rows * c->k + 63) / 64 * 64);
     const size_t x_floats_bytes = (size_t)((c->rows * num_blocks * 4 + 63) / 64 * 64);
     const size_t group_bytes = (size_t)(num_blocks * (256 + 2 * 8 * 4));
-    const size_t size = x_bytes + 2 * x_floats_bytes + (size_t)num_groups * group_bytes;
+    const int64_t num_groups_at_once = num_threads > 1 ? num_threads : 1;
+    const size_t size = x_bytes + 2 * x_floats_bytes + (size_t)num_groups_at_once * group_bytes;
     uint8_t* scratch = bytes_scratch_of(size);
     if (scratch == NULL) return 0;
     const BytesX r = {
@@ -172,27 +186,25 @@ static int run_bytes(const Call* c, int32_t num_threads) {
         .sums = (float*)(scratch + x_bytes + x_floats_bytes),
     };
     uint8_t* group_memory = scratch + x_bytes + 2 * x_floats_bytes;
-    BytesGroup groups[num_groups];
-    for (int64_t g = 0; g < num_groups; ++g) {
-        uint8_t* at = group_memory + g * group_bytes;
-        groups[g] = (BytesGroup){
-            .values = at,
-            .d = (float*)(at + 256 * num_blocks),
-            .m = (float*)(at + 256 * num_blocks + 32 * num_blocks),
-        };
-    }
-    const int64_t num_row_blocks = (c->rows + BYTES_ROW_BLOCK - 1) / BYTES_ROW_BLOCK;
+    const int64_t num_runs = row_runs_per_group(c, num_threads);
+    const int64_t run_rows = ((c->rows + num_runs - 1) / num_runs + BYTES_TILE_ROWS - 1) / BYTES_TILE_ROWS * BYTES_TILE_ROWS;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-#pragma omp for schedule(static) nowait
-        for (int64_t row = 0; row < c->rows; ++row) round_rows_to_bytes(c, &r, row);
+        uint8_t* mine = group_memory + (size_t)omp_get_thread_num() * group_bytes;
+        const BytesGroup group = {
+            .values = mine,
+            .d = (float*)(mine + 256 * num_blocks),
+            .m = (float*)(mine + 256 * num_blocks + 32 * num_blocks),
+        };
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < num_groups; ++g) repack_group(c, 8 * g, &groups[g]);
+        for (int64_t row = 0; row < c->rows; ++row) round_rows_to_bytes(c, &r, row);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < num_row_blocks * num_groups; ++unit) {
-            const int64_t first_row = unit / num_groups * BYTES_ROW_BLOCK, g = unit % num_groups;
-            const int64_t end_row = first_row + BYTES_ROW_BLOCK < c->rows ? first_row + BYTES_ROW_BLOCK : c->rows;
-            bytes_unit(c, &r, &groups[g], first_row, end_row, 8 * g);
+        for (int64_t unit = 0; unit < num_groups * num_runs; ++unit) {
+            const int64_t g = unit / num_runs, first_row = unit % num_runs * run_rows;
+            const int64_t end_row = first_row + run_rows < c->rows ? first_row + run_rows : c->rows;
+            if (first_row >= end_row) continue;
+            repack_group(c, 8 * g, &group);
+            bytes_unit(c, &r, &group, first_row, end_row, 8 * g);
         }
     }
     return 1;

@@ -172,6 +172,28 @@ def test_the_rounding_paths_round_x_per_block_within_their_bound(kernel, type_na
     assert_float32_sums(out[2::3], x[2::3], values)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [3, 13, 200])
+def test_every_thread_count_gives_the_same_bits(kernel, type_name, rows):
+    """Each output is one thread's sum in a fixed order, whichever thread takes it: 1, 2, 3
+    and 7 threads (more than the groups of 8 columns of 36 columns share out, so the byte path
+    splits each group's rows into runs, down to one tile of 4 rows)."""
+    type_id = GGUF_MATMUL_TYPES[type_name]
+    weight, values = gguf_weight(type_id, rows=36, seed=rows)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    outputs = []
+    saved = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3, 7):
+            torch.set_num_threads(num_threads)
+            outputs.append(weight.matmul(x))
+    finally:
+        torch.set_num_threads(saved)
+    assert_matmul(kernel, type_id, outputs[0], x, values)
+    for out in outputs[1:]:
+        assert torch.equal(out, outputs[0])
+
+
 @pytest.mark.parametrize("rows", [1, 9])
 def test_a_weight_of_segments_of_several_types_stacks_their_outputs(kernel, rows):
     """A fused qkv of a Q4_K_M file: some rows Q4_K, some Q6_K; adjacent ones of one type are
