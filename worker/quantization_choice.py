@@ -55,8 +55,8 @@ def gguf_by_default(config: EngineConfig, device: torch.device, path: Path) -> b
 
 
 def kernels_win_at_every_size() -> bool:
-    """The loaded build dequantizes panels for prompt-sized K-quant and Q8_0 calls and has the
-    byte path for Q4_0 and Q4_1 (the AVX2 build: the one measured)."""
+    """The loaded build dequantizes panels for prompt-sized K-quant calls and has the byte path
+    for Q4_0, Q4_1 and Q8_0 (the AVX2 build: the one measured)."""
     library = cpu_kernel_loader.load()
     return (
         library is not None

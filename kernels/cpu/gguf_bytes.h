@@ -1,5 +1,5 @@
 // gguf_matmul.c's byte path: calls of more than INT16_MAX_ROWS rows (a prompt, a step decoding
-// many requests) on Q4_0 and Q4_1 weights, in the way llama.cpp computes them.
+// many requests) on Q4_0, Q4_1 and Q8_0 weights, in the way llama.cpp computes them.
 //
 // - x is rounded once per call to 8-bit integers per 32-value block (the block's largest |x|
 //   maps to 127: an error of at most half a step, 1/254 of that value), with the block's scale
@@ -69,7 +69,7 @@ static void round_rows_to_bytes(const Call* c, const BytesX* r, int64_t row) {
 // Columns [first, first + 8) of `c` (those below num_columns) repacked into `g`.
 static void repack_group(const Call* c, int64_t first, const BytesGroup* g) {
     const int64_t num_real = c->num_columns - first < 8 ? c->num_columns - first : 8;
-    const int q4_1 = c->type == GGML_Q4_1;
+    const int q4_1 = c->type == GGML_Q4_1, q8_0 = c->type == GGML_Q8_0;
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < c->k / 32; ++b) {
         __m256 vectors[8];  // column j's 32 values as bytes, then transposed in 4-byte groups
@@ -82,11 +82,16 @@ static void repack_group(const Call* c, int64_t first, const BytesGroup* g) {
                 continue;
             }
             const uint8_t* block = c->w + (first + j) * c->row_bytes + b * c->block_bytes;
+            d[j] = half_to_float(block);
+            if (q8_0) {  // its 32 values as they are (signed bytes), no offset
+                vectors[j] = _mm256_loadu_ps((const float*)(block + 2));
+                m[j] = 0.0f;
+                continue;
+            }
             const __m128i nibbles = _mm_loadu_si128((const __m128i*)(block + (q4_1 ? 4 : 2)));
             const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(nibbles),
                                                          _mm_srli_epi16(nibbles, 4), 1);
             vectors[j] = _mm256_castsi256_ps(_mm256_and_si256(both, low_nibbles));
-            d[j] = half_to_float(block);
             m[j] = q4_1 ? half_to_float(block + 2) : -8.0f * d[j];
         }
         transpose8(vectors);
@@ -94,35 +99,45 @@ static void repack_group(const Call* c, int64_t first, const BytesGroup* g) {
     }
 }
 
-// Rows [row, row + num_rows) (a compile-time constant once inlined) times group `g`: 16-bit
-// sums per block, scaled into float sums once per block.
+// Rows [row, row + num_rows) times group `g`: per block, Q4_0 and Q4_1 sum in 16-bit lanes
+// (vpmaddubsw of the unsigned nibbles and x's signed bytes), Q8_0 in 32-bit ones (its signed
+// bytes: vpmaddubsw of |w| and x with w's sign, whose pair sums reach 2 * 128 * 127, widened by
+// vpmaddwd at once), then scaled into float sums. `num_rows` and `q8_0` are compile-time
+// constants once inlined.
 static inline __attribute__((always_inline)) void bytes_tile(const Call* c, const BytesX* r,
                                                              const BytesGroup* g, int64_t row,
                                                              int64_t first_column,
-                                                             const int num_rows) {
+                                                             const int num_rows, const int q8_0) {
     const int64_t num_blocks = c->k / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 sums[BYTES_TILE_ROWS];
     for (int i = 0; i < num_rows; ++i) sums[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b) {
-        __m256i words[BYTES_TILE_ROWS];
+        __m256i words[BYTES_TILE_ROWS];  // 16-bit sums (Q4), 32-bit ones (Q8_0)
         for (int i = 0; i < num_rows; ++i) words[i] = _mm256_setzero_si256();
         for (int v = 0; v < 8; ++v) {
             const __m256i w = _mm256_load_si256((const __m256i*)(g->values + 256 * b + 32 * v));
+            const __m256i magnitudes = q8_0 ? _mm256_abs_epi8(w) : w;
             for (int i = 0; i < num_rows; ++i) {
                 int32_t four;
                 memcpy(&four, r->values + (row + i) * c->k + 32 * b + 4 * v, 4);
-                words[i] = _mm256_add_epi16(words[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+                const __m256i x4 = _mm256_set1_epi32(four);
+                if (q8_0) {
+                    const __m256i pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x4, w));
+                    words[i] = _mm256_add_epi32(words[i], _mm256_madd_epi16(pairs, ones));
+                } else {
+                    words[i] = _mm256_add_epi16(words[i], _mm256_maddubs_epi16(w, x4));
+                }
                 __asm__("" : "+x"(words[i]));  // keeps the sums in order: reassociated, they spill
             }
         }
         const __m256 d = _mm256_load_ps(g->d + 8 * b), m = _mm256_load_ps(g->m + 8 * b);
         for (int i = 0; i < num_rows; ++i) {
             const int64_t at = (row + i) * num_blocks + b;
-            const __m256 total = _mm256_cvtepi32_ps(_mm256_madd_epi16(words[i], ones));
+            const __m256i exact = q8_0 ? words[i] : _mm256_madd_epi16(words[i], ones);
             const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ss(r->scales + at));
-            sums[i] = _mm256_fmadd_ps(total, scale, sums[i]);
-            sums[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(r->sums + at), sums[i]);
+            sums[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, sums[i]);
+            if (!q8_0) sums[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(r->sums + at), sums[i]);
         }
     }
     const int64_t num_real = c->num_columns - first_column < 8 ? c->num_columns - first_column : 8;
@@ -134,16 +149,28 @@ static inline __attribute__((always_inline)) void bytes_tile(const Call* c, cons
     }
 }
 
-// Rows [first_row, end_row) times group `g` (columns first_column..+8).
-static void bytes_unit(const Call* c, const BytesX* r, const BytesGroup* g, int64_t first_row,
-                       int64_t end_row, int64_t first_column) {
+// Rows [first_row, end_row) times group `g` (columns first_column..+8); `q8_0` a compile-time
+// constant once inlined.
+static inline __attribute__((always_inline)) void bytes_unit_of(const Call* c, const BytesX* r,
+                                                                const BytesGroup* g,
+                                                                int64_t first_row, int64_t end_row,
+                                                                int64_t first_column, const int q8_0) {
     for (int64_t row = first_row; row < end_row; row += BYTES_TILE_ROWS) {
         switch (end_row - row < BYTES_TILE_ROWS ? end_row - row : BYTES_TILE_ROWS) {
-            case 1: bytes_tile(c, r, g, row, first_column, 1); break;
-            case 2: bytes_tile(c, r, g, row, first_column, 2); break;
-            case 3: bytes_tile(c, r, g, row, first_column, 3); break;
-            default: bytes_tile(c, r, g, row, first_column, BYTES_TILE_ROWS);
+            case 1: bytes_tile(c, r, g, row, first_column, 1, q8_0); break;
+            case 2: bytes_tile(c, r, g, row, first_column, 2, q8_0); break;
+            case 3: bytes_tile(c, r, g, row, first_column, 3, q8_0); break;
+            default: bytes_tile(c, r, g, row, first_column, BYTES_TILE_ROWS, q8_0);
         }
+    }
+}
+
+static void bytes_unit(const Call* c, const BytesX* r, const BytesGroup* g, int64_t first_row,
+                       int64_t end_row, int64_t first_column) {
+    if (c->type == GGML_Q8_0) {
+        bytes_unit_of(c, r, g, first_row, end_row, first_column, 1);
+    } else {
+        bytes_unit_of(c, r, g, first_row, end_row, first_column, 0);
     }
 }
 

@@ -13,7 +13,7 @@
 //   block is widened to 16-bit lanes and vpmaddwd sums the products exactly in 32 bits; one
 //   float multiply-add per block applies the weight's and x's scales, and Q4_1's offset m adds
 //   m times the block's exact float sum of x. A weight block is read once for every row.
-// - The byte path (AVX2 builds; Q4_0 and Q4_1 past INT16_MAX_ROWS rows; gguf_bytes.h): x
+// - The byte path (AVX2 builds; Q4_0, Q4_1 and Q8_0 past INT16_MAX_ROWS rows; gguf_bytes.h): x
 //   rounded to 8 bits per block, weights repacked 8 columns at a time once per call, and
 //   vpmaddubsw's 16-bit sums, as llama.cpp computes prompts (an error of up to half of 1/127
 //   of a block's largest |x| per value, which moves SmolLM2-135M's logprobs by up to ~0.35
@@ -447,7 +447,7 @@ static void int16_columns_unit(const Call* c, const RoundedX* r, int64_t first, 
 }
 #endif
 
-// ---- calls of more rows on Q4_0 and Q4_1: x as bytes, vpmaddubsw (gguf_bytes.h) -------------
+// ---- calls of more rows on Q4_0, Q4_1, Q8_0: x as bytes, vpmaddubsw (gguf_bytes.h) ----------
 
 #if defined(INT16_BUILT)
 #define BYTES_BUILT 1
@@ -666,7 +666,7 @@ int gguf_matmul_integer_bits(void) {
 
 int gguf_matmul_integer_max_rows(void) { return INT16_MAX_ROWS; }
 
-// Bits x is rounded to on the byte path (8: Q4_0 and Q4_1 calls of more than
+// Bits x is rounded to on the byte path (8: Q4_0, Q4_1 and Q8_0 calls of more than
 // INT16_MAX_ROWS rows), or 0 where it is not built.
 int gguf_matmul_byte_bits(void) {
 #if defined(BYTES_BUILT)
@@ -730,7 +730,7 @@ void gguf_matmul(const float* x, int64_t x_stride, const uint8_t* w, int32_t typ
     }
 #endif
 #if defined(BYTES_BUILT)
-    if ((type == GGML_Q4_0 || type == GGML_Q4_1) && run_bytes(&c, num_threads)) return;
+    if (is_block32(type) && run_bytes(&c, num_threads)) return;
 #endif
 #if defined(GGUF_PANELS_BUILT)
     if (rows > DECODE_ROWS) {

@@ -2,10 +2,10 @@
 host runs: each block type dequantizes to exactly the gguf package's values, and a matmul
 equals the float64 product of those values up to float32 summation (the float column path:
 K-quants at decode sizes, every call of the plain C build; panels for f32_matmul's
-micro-kernel: prompt-sized Q8_0 and K-quant calls on the AVX2 build), or up to float32
+micro-kernel: prompt-sized K-quant calls on the AVX2 build), or up to float32
 summation plus the rounding of x per 32-value block where the build reports such a path: to
 16-bit integers on the integer path (Q4_0, Q4_1, Q8_0 up to its row limit), to 8-bit ones on
-the byte path (Q4_0 and Q4_1 past that limit); with a bias, for weights of several segments of
+the byte path (the same types past that limit); with a bias, for weights of several segments of
 different types, and for an embedding lookup."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ gguf = pytest.importorskip("gguf")
 
 K = 512  # two K-quant blocks, sixteen 32-value blocks per row
 BLOCK32_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the integer path's
-BYTE_TYPES = (2, 3)  # Q4_0, Q4_1: the byte path's
+BYTE_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the byte path's
 BUILD_PARAMS = build_params("gguf_matmul.c")
 
 
@@ -155,7 +155,7 @@ def test_one_or_two_rows_sum_whole_groups_of_blocks_and_the_blocks_past_them(
 def test_the_rounding_paths_round_x_per_block_within_their_bound(kernel, type_name, copies):
     """Blocks of zeros, of one outlier among small values, and of values at exact steps (which
     round without error, so the result is float32-exact there); 3 rows take the integer path,
-    12 (4 copies) the byte path for Q4_0 and Q4_1."""
+    12 (4 copies) the byte path."""
     type_id = GGUF_MATMUL_TYPES[type_name]
     weight, values = gguf_weight(type_id, rows=20, seed=7)
     generator = torch.Generator().manual_seed(7)
