@@ -10,8 +10,9 @@
 //   columns; and the 8 columns' d and m as floats (Q4_0: m = -8 d, as its values are d (q - 8)).
 //   The thread then runs every row of the call (or its run of them, where the groups are too few
 //   to share out) over it. Repacking all groups first into one call-wide buffer (twice the
-//   nibbles' bytes, read back from L3 or memory) and sharing out 64-row blocks took 1.07-1.2x
-//   as long (2 Zen 3 cores, 60 to 941 rows of SmolLM2-135M's linears).
+//   nibbles' bytes, read back from L3 or memory) and sharing out 64-row blocks took about
+//   1.05x as long (SmolLM2-135M's linears at 60 and 941 rows, 2 Zen 3 cores, medians of
+//   alternating pairs); repacking per 256-row block instead of once per group, 1.15x.
 // - vpmaddubsw multiplies a vector by x's 4 values of the same k broadcast to every column, and
 //   the 8 products of a block add up in 16-bit lanes (8 * 2 * 15 * 127 = 30480 < 32767: no
 //   saturation); one vpmaddwd, one convert and one multiply-add per block and row then scale
