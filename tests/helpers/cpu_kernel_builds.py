@@ -175,6 +175,22 @@ def use_kernel_library(build: KernelBuild, tmp_path_factory, monkeypatch) -> cty
     return library
 
 
+def kernel_library_fixtures(kernel: str) -> tuple:
+    """A test module's `build` and `kernel` fixtures for `kernel` (a C file): `build` one of
+    `build_params(kernel)` (every build the host can run), `kernel` that build's library, made
+    what `cpu_kernel_loader.load` returns. Use: `build, kernel = kernel_library_fixtures(...)`."""
+
+    @pytest.fixture(params=build_params(kernel))
+    def build(request):
+        return request.param
+
+    @pytest.fixture
+    def kernel(build, tmp_path_factory, monkeypatch):
+        return use_kernel_library(build, tmp_path_factory, monkeypatch)
+
+    return build, kernel
+
+
 def requires_cpu_flags(*flags: str, kernel: str) -> pytest.MarkDecorator:
     """Marks a test of `kernel` (a C file, or a path in one) that runs instructions only CPUs
     with every one of `flags` have. tests/conftest.py skips it elsewhere, with

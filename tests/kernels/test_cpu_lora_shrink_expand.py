@@ -13,8 +13,7 @@ from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu import lora_shrink_expand as cpu_lora
 from core_engine.kernels.lora_operands import LoRAOperandError
 from tests.helpers.cpu_kernel_builds import (
-    build_params,
-    use_kernel_library,
+    kernel_library_fixtures,
 )
 from tests.helpers.lora_shrink_expand_cases import (
     LoRACase,
@@ -23,19 +22,7 @@ from tests.helpers.lora_shrink_expand_cases import (
 )
 
 DTYPES = (torch.float32, torch.bfloat16)
-BUILD_PARAMS = build_params("lora_shrink_expand.c")
-
-
-@pytest.fixture(params=BUILD_PARAMS)
-def build(request):
-    return request.param
-
-
-@pytest.fixture
-def kernel(build, tmp_path_factory, monkeypatch):
-    """Makes `cpu_kernel_loader.load` return a library of `build`."""
-    library = use_kernel_library(build, tmp_path_factory, monkeypatch)
-    return library
+build, kernel = kernel_library_fixtures("lora_shrink_expand.c")
 
 
 def run(case: LoRACase, num_threads: int = 1) -> LoRACase:

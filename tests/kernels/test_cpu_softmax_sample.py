@@ -12,24 +12,12 @@ import torch
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu import softmax_sample as cpu_softmax_sample
 from core_engine.worker.sample.inverse_cdf import sample_inverse_cdf
-from tests.helpers.cpu_kernel_builds import build_params, compiler, use_kernel_library
+from tests.helpers.cpu_kernel_builds import compiler, kernel_library_fixtures
 
-BUILD_PARAMS = build_params("softmax_sample.c")
+build, kernel = kernel_library_fixtures("softmax_sample.c")
 # Where a draw may land outside its token's float64 interval: float32 sums of the weights are
 # off by a few ulps of a chunk's mass, so near an interval's edge the neighbour may be drawn.
 CDF_TOLERANCE = 1e-5
-
-
-@pytest.fixture(params=BUILD_PARAMS)
-def build(request):
-    return request.param
-
-
-@pytest.fixture
-def kernel(build, tmp_path_factory, monkeypatch):
-    """Makes `cpu_kernel_loader.load` return a library of `build`."""
-    library = use_kernel_library(build, tmp_path_factory, monkeypatch)
-    return library
 
 
 def draw(logits, temperatures, uniforms, num_threads: int = 1) -> torch.Tensor:

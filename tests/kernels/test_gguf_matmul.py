@@ -22,8 +22,7 @@ from core_engine.kernels.cpu.gguf_matmul import (
 )
 from tests.helpers.cpu_kernel_builds import (
     assert_float32_sums,
-    build_params,
-    use_kernel_library,
+    kernel_library_fixtures,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -31,20 +30,11 @@ gguf = pytest.importorskip("gguf")
 K = 512  # two K-quant blocks, sixteen 32-value blocks per row
 BLOCK32_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the integer path's
 BYTE_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the byte path's
-BUILD_PARAMS = build_params("gguf_matmul.c")
+build, kernel = kernel_library_fixtures("gguf_matmul.c")
 
 
-@pytest.fixture(params=BUILD_PARAMS)
-def build(request):
-    return request.param
-
-
-@pytest.fixture
-def kernel(build, tmp_path_factory, monkeypatch):
-    """Makes `cpu_kernel_loader.load` return a library of `build`."""
-    library = use_kernel_library(build, tmp_path_factory, monkeypatch)
-    assert library.gguf_matmul_has_panels() == int(build.gguf_matmul_panels)
-    return library
+def test_the_build_reports_whether_it_has_panels(build, kernel):
+    assert kernel.gguf_matmul_has_panels() == int(build.gguf_matmul_panels)
 
 
 def quantized_blocks(type_id: int, rows: int, k: int, seed: int) -> np.ndarray:
