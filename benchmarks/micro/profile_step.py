@@ -173,7 +173,7 @@ def instrument(timer: PartTimer) -> None:
 def time_c_decoder_parts(timer: PartTimer) -> None:
     """The decoder layers run in one C call on the steps it takes (cpu_decoder.py): the C
     driver times its parts itself, and they count to the same parts as the Python layers'."""
-    names = (LINEARS, ATTENTION, NORMS, SILU, FUSED_GATE_UP)  # decode_layers.c's order
+    names = (LINEARS, ATTENTION, NORMS, SILU, FUSED_GATE_UP, EMBEDDING)  # decode_layers.c's
     assert len(names) == len(c_decode.PART_NAMES)
     original = CpuDecoderStack.run
 

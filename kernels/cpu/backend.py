@@ -188,13 +188,18 @@ def paged_attention(
     return out.copy_(result)
 
 
-def decode_kernel_plan(
-    num_q_heads: int, kv_cache: torch.Tensor, metadata: AttentionMetadata
-) -> _CpuPlan | None:
-    """The step's plan (the one `paged_attention` builds and shares) when the decode kernel
-    attends every request of the step over this cache with float32 queries, as in a decode
-    step; None when any request goes elsewhere (the prefill kernel, SDPA) or the kernel does
-    not take the cache."""
+@dataclass(slots=True, frozen=True)
+class DecodeKernelRoute:
+    """How `paged_attention` routes float32 queries over one KV cache (shape and dtype): what
+    `decode_kernel_plan` needs besides the step. Holds while the cache does."""
+
+    block_size: int
+    routing: _Routing
+
+
+def decode_kernel_route(num_q_heads: int, kv_cache: torch.Tensor) -> DecodeKernelRoute | None:
+    """The route of float32 queries over `kv_cache`, or None when the kernels are not loaded
+    or do not take the cache."""
     library = cpu_kernel_loader.load()
     if library is None:
         return None
@@ -202,7 +207,14 @@ def decode_kernel_plan(
     capabilities = attention_capabilities(library, num_q_heads, num_kv_heads, head_dim, block_size)
     if not _kernel_supports(capabilities, kv_cache):
         return None
-    routing = _routing(capabilities, torch.float32, kv_cache.dtype)
+    return DecodeKernelRoute(block_size, _routing(capabilities, torch.float32, kv_cache.dtype))
+
+
+def decode_kernel_plan(metadata: AttentionMetadata, route: DecodeKernelRoute) -> _CpuPlan | None:
+    """The step's plan (the one `paged_attention` builds and shares) when the decode kernel
+    attends every request of the step over a cache of `route`, as in a decode step; None when
+    any request goes elsewhere (the prefill kernel, SDPA)."""
+    block_size, routing = route.block_size, route.routing
     plan = metadata.plans.get(
         ("cpu", block_size, routing), lambda: _build_plan(metadata, block_size, routing)
     )
@@ -340,14 +352,32 @@ def _build_plan(metadata: AttentionMetadata, block_size: int, routing: _Routing)
 def _decode_plan(metadata: AttentionMetadata) -> _CpuPlan:
     """`_build_plan` of a step where every request runs one query token (a decode step): one
     item per request, all the decode kernel's, the metadata's own int32 tensors as they are
-    (every route takes a one-token query), without the general plan's Python loop."""
-    num_reqs = metadata.num_reqs
+    (every route takes a one-token query), without the general plan's Python loop or a new
+    tensor (a decode step's plan is built on the host's critical path)."""
     return _CpuPlan(
-        short_requests=torch.arange(num_reqs, dtype=torch.int32),
+        short_requests=_request_indices(metadata.num_reqs),
         max_query_x_seq_len=metadata.max_seq_len,
-        prefill_requests=torch.empty(0, dtype=torch.int32),
+        prefill_requests=_NO_REQUESTS,
         long_requests=[],
-        block_table=metadata.block_table.to(torch.int32).contiguous(),
-        seq_lens=metadata.seq_lens.to(torch.int32).contiguous(),
-        query_start=metadata.query_start_loc.to(torch.int32).contiguous(),
+        block_table=_int32_contiguous(metadata.block_table),
+        seq_lens=_int32_contiguous(metadata.seq_lens),
+        query_start=_int32_contiguous(metadata.query_start_loc),
     )
+
+
+_NO_REQUESTS = torch.empty(0, dtype=torch.int32)
+_REQUEST_INDICES: dict[int, torch.Tensor] = {}
+
+
+def _request_indices(num_reqs: int) -> torch.Tensor:
+    """int32 0 .. num_reqs - 1, kept per count (read-only: the kernels never write it)."""
+    indices = _REQUEST_INDICES.get(num_reqs)
+    if indices is None:
+        indices = _REQUEST_INDICES[num_reqs] = torch.arange(num_reqs, dtype=torch.int32)
+    return indices
+
+
+def _int32_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype == torch.int32 and tensor.is_contiguous():
+        return tensor
+    return tensor.to(torch.int32).contiguous()

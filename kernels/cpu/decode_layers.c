@@ -1,5 +1,5 @@
-// A Llama decoder stack's layers in one call, from the embeddings to the final norm: for every
-// layer the add + RMSNorm, the qkv projection, rotary, the KV write, paged attention, the o
+// A Llama decoder stack's layers in one call, from the token ids to the final norm: the
+// embedding lookup and the rotary angles of the step's positions, then for every layer the add + RMSNorm, the qkv projection, rotary, the KV write, paged attention, the o
 // projection, the second add + RMSNorm, gate_up with SiLU-and-mul and the down projection, then
 // the model's final add + RMSNorm, each through the same C entry point (and so the same
 // arithmetic) the Python layers call one at a time. A decode step of
@@ -32,6 +32,8 @@ void f32_matmul_silu_and_mul(const float* x, int64_t x_stride, const float* pack
                              int64_t num_pairs, int32_t num_threads);
 void fused_add_rms_norm(const void* x, float* residual, const void* weight, void* out,
                         int32_t bf16, int64_t rows, int64_t cols, float eps, int32_t num_threads);
+void gguf_dequantize_rows(const uint8_t* w, int32_t type, int64_t k, const int64_t* row_ids,
+                          int64_t num_rows, float* out);
 void rotary_embedding_neox(void* x, int32_t bf16, int64_t tokens, int64_t row_stride,
                            int32_t num_heads, int32_t head_dim, const float* cos,
                            const float* sin, int32_t num_threads);
@@ -80,11 +82,19 @@ typedef struct {
     char* kv_cache;  // float32 [2, num_cache_blocks, block_size, num_kv_heads, head_dim]
 } DecoderLayer;
 
+// The token embedding: `vocab_rows` rows of `hidden_size`, GGUF blocks of `embedding_type` at
+// `embedding_blocks`, or (`embedding_type` EMBEDDING_F32) float32 rows at `embedding_rows`.
+#define EMBEDDING_F32 (-1)
+
 typedef struct {
     const DecoderLayer* layers;
     int32_t num_layers, hidden_size, num_q_heads, num_kv_heads, head_dim, intermediate_size;
     float rms_norm_eps, attention_scale;
     const float* final_norm;  // [hidden]: the model's norm after the last layer
+    int32_t embedding_type;
+    const uint8_t* embedding_blocks;
+    const float* embedding_rows;
+    int64_t vocab_rows;
 } DecoderStack;
 
 // The parts timed when `part_seconds` is not NULL (benchmarks.micro.profile_step reads them).
@@ -93,18 +103,31 @@ typedef struct {
 #define PART_NORMS 2  // both add + RMSNorms and rotary
 #define PART_SILU 3
 #define PART_GATE_UP_SILU 4  // f32_matmul's gate_up storing silu(gate) * up
-#define NUM_PARTS 5
+#define PART_EMBEDDING 5
+#define NUM_PARTS 6
 
-// One step: its tokens' rotary angles and KV slots, the attention's metadata (`attention`:
-// block table, seq_lens, query_start, the requests and their count, block and head shapes;
-// query, out and kv_cache are set per layer here), the scratch rows it writes, the threads.
+// decode_layers' results besides 0.
+#define ERROR_ATTENTION_SCORES (-1)  // attention could not allocate its scores
+#define ERROR_TOKEN_ID (-2)          // a token id outside [0, vocab_rows)
+#define ERROR_POSITION (-3)          // a position outside [0, angle_rows)
+
+// One step: its tokens, their positions and KV slots, the rotary angle table (row p: the
+// cos and sin of position p, as RotaryEmbedding computes them), the attention's metadata
+// (`attention`: block table, seq_lens, query_start, the requests and their count, block and
+// head shapes; query, out and kv_cache are set per layer here), the scratch rows it writes,
+// the threads.
 typedef struct {
     int64_t num_tokens;
-    const float* cos;             // [T, head_dim / 2]
-    const float* sin;             // [T, head_dim / 2]
+    const int64_t* token_ids;     // [T]
+    const int64_t* positions;     // [T]
     const int64_t* slot_mapping;  // [T]; a negative slot is not written
+    const float* angle_cos;       // [angle_rows, head_dim / 2]
+    const float* angle_sin;       // [angle_rows, head_dim / 2]
+    int64_t angle_rows;
     AttentionArgs attention;
     int64_t attention_scratch_floats;
+    float* cos;         // [T, head_dim / 2]: the tokens' rows of angle_cos
+    float* sin;         // [T, head_dim / 2]
     float* qkv;         // [T, (H_q + 2 H_kv) D]
     float* query;       // [T, H_q D]
     float* attended;    // [T, H_q D]
@@ -214,24 +237,61 @@ static void mlp_block(const DecoderLayer* layer, const DecodeStep* s, const floa
     charge(s, PART_LINEARS, clock);
 }
 
-// The model from its embeddings to its final norm over one step: `out` [T, hidden] = the final
+// The tokens' embeddings into out [T, hidden], as VocabParallelEmbedding looks them up (the
+// same dequantization of the same blocks, or a copy of float32 rows); ERROR_TOKEN_ID for an id
+// outside the vocabulary.
+static int embed(const DecoderStack* m, const DecodeStep* s, float* out) {
+    const int64_t hidden = m->hidden_size;
+    for (int64_t t = 0; t < s->num_tokens; ++t)
+        if (s->token_ids[t] < 0 || s->token_ids[t] >= m->vocab_rows) return ERROR_TOKEN_ID;
+    if (m->embedding_type != EMBEDDING_F32) {
+        gguf_dequantize_rows(m->embedding_blocks, m->embedding_type, hidden, s->token_ids,
+                             s->num_tokens, out);
+        return 0;
+    }
+    for (int64_t t = 0; t < s->num_tokens; ++t)
+        memcpy(out + t * hidden, m->embedding_rows + s->token_ids[t] * hidden,
+               sizeof(float) * hidden);
+    return 0;
+}
+
+// The tokens' rows of the angle table into s->cos and s->sin; ERROR_POSITION for a position
+// the table does not hold.
+static int gather_angles(const DecoderStack* m, DecodeStep* s) {
+    const int64_t half = m->head_dim / 2;
+    for (int64_t t = 0; t < s->num_tokens; ++t) {
+        const int64_t position = s->positions[t];
+        if (position < 0 || position >= s->angle_rows) return ERROR_POSITION;
+        memcpy(s->cos + t * half, s->angle_cos + position * half, sizeof(float) * half);
+        memcpy(s->sin + t * half, s->angle_sin + position * half, sizeof(float) * half);
+    }
+    return 0;
+}
+
+// The model from its token ids to its final norm over one step: `out` [T, hidden] = the final
 // norm of the last layer's output added to the residual stream, every norm the fused add +
 // RMSNorm the Python layers call (the first one onto a zero stream, as LlamaDecoderLayer's
 // input_norm does, so the stream starts as the embeddings exactly). `residual`, `normed` and
-// `projected` [T, hidden] are scratch. Returns 0, or -1 when attention could not allocate its
-// scores.
-int decode_layers(const DecoderStack* m, DecodeStep* s, const float* embeddings, float* residual,
-                  float* normed, float* projected, float* out) {
+// `projected` [T, hidden] are scratch. Returns 0 or an ERROR_ code (nothing is written to the
+// caches for a bad token id or position).
+int decode_layers(const DecoderStack* m, DecodeStep* s, float* residual, float* normed,
+                  float* projected, float* out) {
     double clock = s->part_seconds != NULL ? seconds_now() : 0.0;
     const int64_t tokens = s->num_tokens, hidden = m->hidden_size;
+    int status = embed(m, s, projected);
+    if (status != 0) return status;
+    charge(s, PART_EMBEDDING, &clock);
+    status = gather_angles(m, s);
+    if (status != 0) return status;
     memset(residual, 0, sizeof(float) * tokens * hidden);
-    const float* layer_input = embeddings;
+    const float* layer_input = projected;
     for (int32_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer* layer = &m->layers[i];
         fused_add_rms_norm(layer_input, residual, layer->input_norm, normed, 0, tokens, hidden,
                            m->rms_norm_eps, s->num_threads);
         charge(s, PART_NORMS, &clock);
-        if (attention_block(m, layer, s, normed, residual, projected, &clock) != 0) return -1;
+        if (attention_block(m, layer, s, normed, residual, projected, &clock) != 0)
+            return ERROR_ATTENTION_SCORES;
         mlp_block(layer, s, normed, projected, &clock);
         layer_input = projected;
     }
@@ -244,7 +304,8 @@ int decode_layers(const DecoderStack* m, DecodeStep* s, const float* embeddings,
 // sizeof of the structs, and the offsets the ctypes twins must match, for the tests:
 // [Linear, DecoderLayer, DecoderStack, DecodeStep sizes; DecodeStep.attention, .part_seconds,
 // DecoderLayer.kv_cache, Linear.bias, Linear.lora_slots, DecodeStep.lora_token_slots,
-// DecoderStack.final_norm offsets].
+// DecoderStack.final_norm, DecoderStack.vocab_rows, DecodeStep.angle_rows, DecodeStep.sin
+// offsets].
 int64_t decode_layers_layout(int64_t* out, int32_t capacity) {
     const int64_t all[] = {
         sizeof(Linear),
@@ -258,6 +319,9 @@ int64_t decode_layers_layout(int64_t* out, int32_t capacity) {
         offsetof(Linear, lora_slots),
         offsetof(DecodeStep, lora_token_slots),
         offsetof(DecoderStack, final_norm),
+        offsetof(DecoderStack, vocab_rows),
+        offsetof(DecodeStep, angle_rows),
+        offsetof(DecodeStep, sin),
     };
     const int32_t count = (int32_t)(sizeof(all) / sizeof(all[0]));
     for (int32_t i = 0; i < count && i < capacity; ++i) out[i] = all[i];

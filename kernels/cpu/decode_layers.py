@@ -18,7 +18,19 @@ MAX_SEGMENTS = 4
 LINEAR_GGUF = 1
 LINEAR_F32 = 2
 # The parts decode_layers.c times into DecodeStep.part_seconds, in its order.
-PART_NAMES = ("linears", "attention", "norms and rotary", "SiLU-and-mul", "gate_up + SiLU-and-mul")
+PART_NAMES = (
+    "linears",
+    "attention",
+    "norms and rotary",
+    "SiLU-and-mul",
+    "gate_up + SiLU-and-mul",
+    "embedding",
+)
+EMBEDDING_F32 = -1  # DecoderStack.embedding_type of float32 rows (else a GGUF type id)
+# decode_layers' results besides 0 (ERROR_ in decode_layers.c).
+ERROR_ATTENTION_SCORES = -1  # attention could not allocate its scores
+ERROR_TOKEN_ID = -2  # a token id outside [0, vocab_rows)
+ERROR_POSITION = -3  # a position outside [0, angle_rows)
 
 
 class Linear(ctypes.Structure):
@@ -65,17 +77,26 @@ class DecoderStack(ctypes.Structure):
         ("rms_norm_eps", ctypes.c_float),
         ("attention_scale", ctypes.c_float),
         ("final_norm", ctypes.c_void_p),
+        ("embedding_type", ctypes.c_int32),
+        ("embedding_blocks", ctypes.c_void_p),
+        ("embedding_rows", ctypes.c_void_p),
+        ("vocab_rows", ctypes.c_int64),
     )
 
 
 class DecodeStep(ctypes.Structure):
     _fields_ = (
         ("num_tokens", ctypes.c_int64),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
+        ("token_ids", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
         ("slot_mapping", ctypes.c_void_p),
+        ("angle_cos", ctypes.c_void_p),
+        ("angle_sin", ctypes.c_void_p),
+        ("angle_rows", ctypes.c_int64),
         ("attention", AttentionArgs),
         ("attention_scratch_floats", ctypes.c_int64),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
         ("qkv", ctypes.c_void_p),
         ("query", ctypes.c_void_p),
         ("attended", ctypes.c_void_p),
@@ -89,7 +110,7 @@ class DecodeStep(ctypes.Structure):
 
 def layout_matches(library: ctypes.CDLL) -> bool:
     """Whether these structs have the compiled ones' sizes and checked offsets."""
-    reported = (ctypes.c_int64 * 11)()
+    reported = (ctypes.c_int64 * 14)()
     count = library.decode_layers_layout(reported, len(reported))
     expected = (
         ctypes.sizeof(Linear),
@@ -103,6 +124,9 @@ def layout_matches(library: ctypes.CDLL) -> bool:
         Linear.lora_slots.offset,
         DecodeStep.lora_token_slots.offset,
         DecoderStack.final_norm.offset,
+        DecoderStack.vocab_rows.offset,
+        DecodeStep.angle_rows.offset,
+        DecodeStep.sin.offset,
     )
     return count == len(expected) and tuple(reported) == expected
 

@@ -239,8 +239,8 @@ def _declare(library: ctypes.CDLL) -> None:
         library.gguf_matmul,
         [pointer, i64, pointer, i32, pointer, pointer, i64, i64, i64, i64, i32],
     )
-    # stack, step, embeddings, residual, normed, projected, out
-    _signature(library.decode_layers, [pointer] * 7, ctypes.c_int)
+    # stack, step, residual, normed, projected, out
+    _signature(library.decode_layers, [pointer] * 6, ctypes.c_int)
     _signature(library.decode_layers_layout, [pointer, i32], i64)
     # blocks, type, k, row_ids, num_rows, out
     _signature(library.gguf_dequantize_rows, [pointer, i32, i64, pointer, i64, pointer])

@@ -196,7 +196,7 @@ def test_profile_step_quick_times_every_part(tmp_path, dtype):
         summary = result["summary"][kind]
         assert summary["num_steps"] > 0
         parts = summary["parts_ms_per_step"]
-        for part in ("linears", "attention", "norms", "LM head", "sampling"):
+        for part in ("linears", "attention", "norms", "embedding", "LM head", "sampling"):
             (name,) = [name for name in parts if name.startswith(part)]
             assert parts[name] > 0, f"{kind}: {name} was never timed"
         # The MLP's activation runs on its own or inside the gate_up kernel, never both ways:

@@ -58,9 +58,7 @@ def run_step(model, tokens, computed, block_ids, caches, in_c: bool):
     """One step's hidden states, with or without the C decoder; and whether it ran in C."""
     decoder = model.model.cpu_decoder
     batch = build_paged_batch(tokens, computed, block_ids, BLOCK_SIZE)
-    took = decoder is not None and decoder.takes(
-        model.model.embed_tokens(batch.input_ids), caches, batch.metadata
-    )
+    took = decoder is not None and decoder.takes(batch.input_ids, caches, batch.metadata)
     model.model.cpu_decoder = decoder if in_c else None
     try:
         with torch.no_grad():
@@ -158,3 +156,64 @@ def test_without_the_kernels_nothing_is_enabled(monkeypatch):
     model, _ = load_packed(resolve_model_path(None), quantization="gguf")
     monkeypatch.setattr(cpu_kernel_loader, "load", lambda: None)
     assert not enable_cpu_decoder(model)
+
+
+def decode_batch_and_caches(config, model):
+    """A decode step of the three prompts over caches their prefill (Python layers) filled."""
+    prompts = prompts_of(config.vocab_size)
+    block_ids = block_ids_of(prompts, extra_tokens=8)
+    caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
+    run_step(model, prompts, [0, 0, 0], block_ids, caches, in_c=False)
+    batch = build_paged_batch([p + [7] for p in prompts], [len(p) for p in prompts], block_ids,
+                              BLOCK_SIZE)  # fmt: skip
+    return batch, caches
+
+
+def test_a_token_id_outside_the_vocabulary_is_an_index_error_that_writes_nothing():
+    model, config = load_packed(resolve_model_path(None), quantization="gguf")
+    assert enable_cpu_decoder(model)
+    batch, caches = decode_batch_and_caches(config, model)
+    before = [cache.clone() for cache in caches]
+    for bad_id in (config.vocab_size, -1):
+        input_ids = batch.input_ids.clone()
+        input_ids[1] = bad_id
+        message = rf"token id {bad_id} is outside the vocabulary \[0, {config.vocab_size}\)"
+        with pytest.raises(IndexError, match=message):
+            model.model.cpu_decoder.run(input_ids, batch.positions, caches, batch.metadata)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+    hidden = model.model.cpu_decoder.run(batch.input_ids, batch.positions, caches, batch.metadata)
+    assert hidden.shape == (3, config.hidden_size) and torch.isfinite(hidden).all()
+
+
+def test_a_position_past_the_angle_table_is_a_value_error():
+    """The driver reads each token's rotary angles from the table `run` sizes to the step's
+    max_seq_len; a position the metadata does not account for is refused, not read."""
+    model, config = load_packed(resolve_model_path(None), quantization="gguf")
+    assert enable_cpu_decoder(model)
+    batch, caches = decode_batch_and_caches(config, model)
+    rows = model.model.rotary_emb.angle_table(batch.metadata.max_seq_len)[0].shape[0]
+    positions = batch.positions.clone()
+    positions[0] = rows
+    with pytest.raises(ValueError, match=rf"position {rows} is outside the rotary angle table"):
+        model.model.cpu_decoder.run(batch.input_ids, positions, caches, batch.metadata)
+
+
+def test_steps_of_growing_and_shrinking_batches_reuse_the_scratch_and_match_python():
+    """The driver keeps its scratch rows across steps (regrown for a larger step): a step
+    of one request after a step of three, then three again, still gives the Python bits."""
+    model, config = load_packed(resolve_model_path(None), quantization="gguf")
+    assert enable_cpu_decoder(model)
+    prompts = prompts_of(config.vocab_size)
+    block_ids = block_ids_of(prompts, extra_tokens=8)
+    caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
+    run_step(model, prompts, [0, 0, 0], block_ids, caches, in_c=False)
+    steps = [
+        ([prompts[0] + [7]], [len(prompts[0])], block_ids[:1]),
+        ([p + [7] for p in prompts], [len(p) for p in prompts], block_ids),
+        ([prompts[2] + [7]], [len(prompts[2])], block_ids[2:]),
+    ]
+    for tokens, computed, blocks in steps:
+        caches_c = [cache.clone() for cache in caches]
+        in_c, took = run_step(model, tokens, computed, blocks, caches_c, in_c=True)
+        in_python, _ = run_step(model, tokens, computed, blocks, caches, in_c=False)
+        assert took and torch.equal(in_c, in_python)

@@ -1,15 +1,19 @@
-"""A decode step with little Python: a Llama-family model's decoder layers in one C call.
+"""A decode step with little Python: a Llama-family model from its token ids to its final norm
+in one C call.
 
-`CpuDecoderStack.of(layers)` describes the layers to `kernels/cpu/decode_layers.c` once, at
-load, when every one of them is a plain pre-norm Llama layer whose parts the C driver calls the
-same kernels for: RMSNorm weights in float32, linears on the GGUF-block or float32 kernels, a
-SiLU MLP, no q/k norm, no sliding window, one tensor-parallel rank. It `takes` a step whose
-attention is all the decode kernel's (every request's query short: a decode step, small
-chunks) over float32 caches; the Python layers run the others.
+`CpuDecoderStack.of(model)` describes the embedding and the layers to
+`kernels/cpu/decode_layers.c` once, at load, when every layer is a plain pre-norm Llama layer
+whose parts the C driver calls the same kernels for: RMSNorm weights in float32, linears on the
+GGUF-block or float32 kernels, a SiLU MLP, no q/k norm, no sliding window, one tensor-parallel
+rank, an embedding of float32 rows or one GGUF segment. `run` takes a step whose attention is
+all the decode kernel's (every request's query short: a decode step, small chunks) over float32
+caches and returns None for the others, which the Python layers run.
 
 The C driver calls the entry points the Python layers call, with the same arguments and thread
-count, so its output is the Python layers' bit for bit (tests/worker/test_cpu_decoder.py); it
-only leaves out the per-call tensor bookkeeping, which at batch 1 costs more than the kernels.
+count, and reads the rotary angles from the table `RotaryEmbedding` indexes on a CPU, so its
+output is the Python layers' bit for bit (tests/worker/test_cpu_decoder.py); it only leaves out
+the per-call tensor bookkeeping, which at batch 1 costs more than the kernels. Its scratch rows
+and step struct are kept across steps, so a step allocates only its output.
 """
 
 from __future__ import annotations
@@ -24,27 +28,31 @@ from core_engine.kernels.attention_metadata import AttentionMetadata
 from core_engine.kernels.cpu import decode_layers as c_decode
 from core_engine.kernels.cpu import kernel_loader as cpu_kernel_loader
 from core_engine.kernels.cpu.attention_args import AttentionArgs
-from core_engine.kernels.cpu.backend import decode_kernel_plan
+from core_engine.kernels.cpu.backend import (
+    DecodeKernelRoute,
+    decode_kernel_plan,
+    decode_kernel_route,
+)
 from core_engine.worker.model_executor.layers import RMSNorm, SiluAndMul
 
 FLOAT32 = torch.float32
 
 
 class CpuDecoderStack:
-    """The C description of a model's decoder layers; `run` runs one step through them.
+    """The C description of a model's embedding and decoder layers; `run` runs one step.
 
-    Invariant: the layers' weights outlive this object (the structs hold their addresses).
+    Invariant: the model's weights outlive this object (the structs hold their addresses).
     """
 
-    def __init__(
-        self, layers: Sequence[nn.Module], final_norm: nn.Module, structs: ctypes.Array
-    ) -> None:
+    def __init__(self, model: nn.Module, structs: ctypes.Array, embedding: dict) -> None:
+        layers = list(model.layers)
         first = layers[0].self_attn
         proj = first.qkv_proj
         self.num_q_heads, self.num_kv_heads = proj.num_heads, proj.num_kv_heads
         self.head_dim = first.head_dim
         self.hidden_size = layers[0].input_layernorm.weight.shape[0]
         self.intermediate_size = layers[0].mlp.gate_up_proj.output_size_per_rank // 2
+        self.rotary = model.rotary_emb
         self.layer_structs = structs
         self.stack = c_decode.DecoderStack(
             layers=ctypes.addressof(structs),
@@ -56,9 +64,13 @@ class CpuDecoderStack:
             intermediate_size=self.intermediate_size,
             rms_norm_eps=layers[0].input_layernorm.eps,
             attention_scale=first.scale,
-            final_norm=final_norm.weight.data_ptr(),
+            final_norm=model.norm.weight.data_ptr(),
+            **embedding,
         )
-        self._bound_caches: tuple[int, ...] = ()
+        self._bound_caches: list[int] = []
+        self._route: DecodeKernelRoute | None = None
+        self._scratch = StepScratch(self._scratch_widths())
+        self._step = c_decode.DecodeStep()
         # The LoRA step the layers' adapters read (None without LoRA): its token slots go to
         # the driver, which adds each linear's adapters as the Python layers do.
         lora = first.qkv_proj.lora
@@ -68,86 +80,126 @@ class CpuDecoderStack:
         self.part_seconds: ctypes.Array | None = None
 
     @staticmethod
-    def of(layers: Sequence[nn.Module], final_norm: nn.Module) -> CpuDecoderStack | None:
-        """The stack of `layers` (LlamaDecoderLayer modules, packed for the CPU) and the
-        model's `final_norm`, or None when the C kernels are not loaded or any part is not one
-        the C driver runs (every norm an RMSNorm of float32 weights and the first one's eps)."""
+    def of(model: nn.Module) -> CpuDecoderStack | None:
+        """The stack of a Llama-family decoder `model` (`embed_tokens`, `layers` packed for
+        the CPU, `norm`, `rotary_emb`), or None when the C kernels are not loaded or any part
+        is not one the C driver runs (every norm an RMSNorm of float32 weights and the first
+        one's eps; a float32 embedding of one rank, as float32 rows or one GGUF segment)."""
         library = cpu_kernel_loader.load()
+        layers = list(model.layers)
         if library is None or not layers or not c_decode.layout_matches(library):
             return None
         eps = layers[0].input_layernorm.eps
-        norms = [final_norm, *(n for layer in layers for n in _layer_norms(layer))]
+        norms = [model.norm, *(n for layer in layers for n in _layer_norms(layer))]
         if not all(type(n) is RMSNorm and _is_float32(n.weight) and n.eps == eps for n in norms):
+            return None
+        embedding = _embedding_fields(model.embed_tokens)
+        if embedding is None:
             return None
         structs = (c_decode.DecoderLayer * len(layers))()
         for struct, layer in zip(structs, layers, strict=True):
             if not _describe_layer(layer, struct):
                 return None
-        return CpuDecoderStack(layers, final_norm, structs)
+        return CpuDecoderStack(model, structs, embedding)
 
     def takes(
         self,
-        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> bool:
-        """Whether `run` takes this step: float32 [T, hidden] embeddings on the CPU, float32
-        caches, attention that is all the decode kernel's, and adapters (if any token runs
-        one) added by the shrink/expand kernel, as the Python layers would."""
-        if self.lora_step is not None and self.lora_step.runs_matmul(hidden_states.shape[0]):
-            return False
-        return self._plan(hidden_states, kv_caches, metadata) is not None
+        """Whether `run` takes this step: int64 token ids on the CPU, float32 caches,
+        attention that is all the decode kernel's, and adapters (if any token runs one) added
+        by the shrink/expand kernel, as the Python layers would."""
+        return self._plan(input_ids, kv_caches, metadata) is not None
 
     def run(
         self,
-        embeddings: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The decoder over a step it `takes`, from its float32 `embeddings` [T, hidden] to
-        the final norm's output [T, hidden], as LlamaModel.forward's Python layers give it."""
-        plan = self._plan(embeddings, kv_caches, metadata)
+    ) -> torch.Tensor | None:
+        """The model from the step's int64 `input_ids` [T] at `positions` [T] to the final
+        norm's output [T, hidden], as LlamaModel.forward's Python layers give it, for a step
+        it `takes`; None (and nothing computed) for any other. IndexError for a token id
+        outside the vocabulary, ValueError for a position the step's max_seq_len does not
+        cover (the caches untouched)."""
+        plan = self._plan(input_ids, kv_caches, metadata)
         if plan is None:
-            raise ValueError("CpuDecoderStack.run got a step it does not take (see takes)")
-        self._bind(kv_caches)
-        tokens = embeddings.shape[0]
-        q_width = self.num_q_heads * self.head_dim
-        qkv_width = q_width + 2 * self.num_kv_heads * self.head_dim
-        scratch = {
-            "qkv": torch.empty(tokens, qkv_width, dtype=FLOAT32),
-            "query": torch.empty(tokens, q_width, dtype=FLOAT32),
-            "attended": torch.empty(tokens, q_width, dtype=FLOAT32),
-            "gate_up": torch.empty(tokens, 2 * self.intermediate_size, dtype=FLOAT32),
-            "activation": torch.empty(tokens, self.intermediate_size, dtype=FLOAT32),
-        }
-        cos, sin = (angles.float().contiguous() for angles in cos_sin)
-        step = c_decode.DecodeStep(
-            num_tokens=tokens,
-            cos=cos.data_ptr(),
-            sin=sin.data_ptr(),
-            slot_mapping=metadata.slot_mapping.data_ptr(),
-            attention=self._attention_args(kv_caches[0], plan),
-            attention_scratch_floats=plan.max_query_x_seq_len * self.num_q_heads,
-            num_threads=torch.get_num_threads(),
-            part_seconds=None if self.part_seconds is None else ctypes.addressof(self.part_seconds),
-            lora_token_slots=self._lora_token_slots(tokens),
-            **{name: tensor.data_ptr() for name, tensor in scratch.items()},
-        )
-        rows = torch.empty(4, tokens, self.hidden_size, dtype=FLOAT32)
-        residual, normed, projected, out = rows
+            return None
+        if positions.shape != input_ids.shape or not _is_int64(positions):
+            raise ValueError("positions must be int64 [T] like the step's token ids")
+        tokens = input_ids.shape[0]
+        scratch = self._scratch.rows(tokens)
+        step = self._fill_step(input_ids, positions, metadata, plan, scratch)
+        out = torch.empty(tokens, self.hidden_size, dtype=FLOAT32)
         status = cpu_kernel_loader.load().decode_layers(
             ctypes.byref(self.stack),
             ctypes.byref(step),
-            embeddings.data_ptr(),
-            residual.data_ptr(),
-            normed.data_ptr(),
-            projected.data_ptr(),
+            scratch.residual,
+            scratch.normed,
+            scratch.projected,
             out.data_ptr(),
         )
         if status != 0:
-            raise MemoryError("CPU attention could not allocate its scores")
+            raise self._error(status, input_ids, positions)
         return out
+
+    def _error(self, status: int, input_ids: torch.Tensor, positions: torch.Tensor) -> Exception:
+        """The exception for a failed driver call, naming the value and the limit."""
+        if status == c_decode.ERROR_TOKEN_ID:
+            limit = self.stack.vocab_rows
+            bad = input_ids[(input_ids < 0) | (input_ids >= limit)][0]
+            return IndexError(f"token id {int(bad)} is outside the vocabulary [0, {limit})")
+        if status == c_decode.ERROR_POSITION:
+            limit = self._step.angle_rows
+            bad = positions[(positions < 0) | (positions >= limit)][0]
+            return ValueError(
+                f"position {int(bad)} is outside the rotary angle table's [0, {limit}) (the "
+                "step's max_seq_len sizes it)"
+            )
+        return MemoryError("CPU attention could not allocate its scores")
+
+    def _fill_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, plan, scratch
+    ) -> c_decode.DecodeStep:
+        """The kept step struct, pointed at this step's tokens, angles, slots, attention
+        plan and scratch rows."""
+        tokens = input_ids.shape[0]
+        angle_cos, angle_sin = self.rotary.angle_table(metadata.max_seq_len)
+        step = self._step
+        step.num_tokens = tokens
+        step.token_ids = input_ids.data_ptr()
+        step.positions = positions.data_ptr()
+        step.slot_mapping = metadata.slot_mapping.data_ptr()
+        step.angle_cos, step.angle_sin = angle_cos.data_ptr(), angle_sin.data_ptr()
+        step.angle_rows = angle_cos.shape[0]
+        self._set_attention(step.attention, plan)
+        step.attention_scratch_floats = plan.max_query_x_seq_len * self.num_q_heads
+        step.num_threads = torch.get_num_threads()
+        timing = self.part_seconds
+        step.part_seconds = None if timing is None else ctypes.addressof(timing)
+        step.lora_token_slots = self._lora_token_slots(tokens)
+        for name, address in scratch.step_fields.items():
+            setattr(step, name, address)
+        return step
+
+    def _scratch_widths(self) -> dict[str, int]:
+        """Float32 values per token of each scratch buffer the driver writes."""
+        q_width = self.num_q_heads * self.head_dim
+        return {
+            "qkv": q_width + 2 * self.num_kv_heads * self.head_dim,
+            "query": q_width,
+            "attended": q_width,
+            "gate_up": 2 * self.intermediate_size,
+            "activation": self.intermediate_size,
+            "cos": self.head_dim // 2,
+            "sin": self.head_dim // 2,
+            "residual": self.hidden_size,
+            "normed": self.hidden_size,
+            "projected": self.hidden_size,
+        }
 
     def _lora_token_slots(self, num_tokens: int) -> int | None:
         """The address of the step's int32 token slots when some token runs an adapter."""
@@ -158,53 +210,81 @@ class CpuDecoderStack:
             raise ValueError("the LoRA step's token slots do not match the step's tokens")
         return step.token_slots.data_ptr()
 
-    def _plan(self, stream: torch.Tensor, kv_caches, metadata):
-        """The attention plan when a step of this float32 residual stream (the embeddings)
-        is one the driver takes, else None."""
-        if not (
-            stream.dim() == 2
-            and stream.dtype == FLOAT32
-            and stream.is_cpu
-            and stream.is_contiguous()
-            and stream.shape[1] == self.hidden_size
-            and metadata.slot_mapping.dtype == torch.int64
-            and metadata.slot_mapping.is_contiguous()
-            and len(kv_caches) == self.stack.num_layers
-            and kv_caches[0].dtype == FLOAT32
-        ):
+    def _plan(self, input_ids: torch.Tensor, kv_caches, metadata):
+        """The attention plan when the driver takes a step of these token ids over these
+        caches (bound to the structs on the way), else None."""
+        if not (input_ids.dim() == 1 and _is_int64(input_ids) and _is_int64(metadata.slot_mapping)):
             return None
-        return decode_kernel_plan(self.num_q_heads, kv_caches[0], metadata)
+        if self.lora_step is not None and self.lora_step.runs_matmul(input_ids.shape[0]):
+            return None
+        route = self._bind(kv_caches)
+        return None if route is None else decode_kernel_plan(metadata, route)
 
-    def _bind(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Points each layer's struct at its cache (again only when the caches changed)."""
-        addresses = tuple(cache.data_ptr() for cache in kv_caches)
-        if addresses != self._bound_caches:
-            shape = kv_caches[0].shape
-            if any(c.shape != shape or not c.is_contiguous() for c in kv_caches):
-                raise ValueError("every layer's KV cache must be contiguous and of one shape")
-            for struct, address in zip(self.layer_structs, addresses, strict=True):
-                struct.kv_cache = address
-            self._bound_caches = addresses
+    def _bind(self, kv_caches: Sequence[torch.Tensor]) -> DecodeKernelRoute | None:
+        """Points each layer's struct at its cache and the step at the caches' shape, when the
+        driver takes them (one float32 contiguous cache per layer, all of one shape, that the
+        decode kernel reads); their attention route, or None. Only when the caches change
+        does this do more than compare their addresses."""
+        addresses = list(map(torch.Tensor.data_ptr, kv_caches))
+        if addresses == self._bound_caches:
+            return self._route
+        self._bound_caches, self._route = [], None
+        if len(kv_caches) != self.stack.num_layers or not _one_float32_shape(kv_caches):
+            return None
+        route = decode_kernel_route(self.num_q_heads, kv_caches[0])
+        if route is None:
+            return None
+        for struct, address in zip(self.layer_structs, addresses, strict=True):
+            struct.kv_cache = address
+        attention = self._step.attention
+        _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_caches[0].shape
+        attention.num_cache_blocks, attention.block_size = num_cache_blocks, block_size
+        attention.num_kv_heads, attention.head_dim = num_kv_heads, head_dim
+        attention.num_q_heads = self.num_q_heads
+        attention.scale = self.stack.attention_scale
+        self._bound_caches, self._route = addresses, route
+        return route
 
-    def _attention_args(self, kv_cache: torch.Tensor, plan) -> AttentionArgs:
-        """The attention arguments every layer shares (query, out and the cache are set per
-        layer by the driver), as backend.paged_attention fills them."""
-        _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return AttentionArgs(
-            block_table=plan.block_table.data_ptr(),
-            seq_lens=plan.seq_lens.data_ptr(),
-            query_start=plan.query_start.data_ptr(),
-            requests=plan.short_requests.data_ptr(),
-            block_table_stride=plan.block_table.shape[1],
-            num_cache_blocks=num_cache_blocks,
-            num_requests=len(plan.short_requests),
-            block_size=block_size,
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            scale=self.stack.attention_scale,
-            num_threads=torch.get_num_threads(),
-        )
+    @staticmethod
+    def _set_attention(attention: AttentionArgs, plan) -> None:
+        """The step's part of the attention arguments every layer shares (query, out and the
+        cache are set per layer by the driver; the shapes by `_bind`), as
+        backend.paged_attention fills them."""
+        attention.block_table = plan.block_table.data_ptr()
+        attention.seq_lens = plan.seq_lens.data_ptr()
+        attention.query_start = plan.query_start.data_ptr()
+        attention.requests = plan.short_requests.data_ptr()
+        attention.block_table_stride = plan.block_table.shape[1]
+        attention.num_requests = len(plan.short_requests)
+        attention.num_threads = torch.get_num_threads()
+
+
+class StepScratch:
+    """The float32 rows the driver writes during a step, kept across steps: one buffer per name
+    with room for the most tokens a step has had (regrown, never shrunk), of which the driver
+    uses the first T rows."""
+
+    def __init__(self, widths: dict[str, int]) -> None:
+        self.widths = widths
+        self.capacity = 0
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.step_fields: dict[str, int] = {}
+        self.residual = self.normed = self.projected = 0
+
+    def rows(self, num_tokens: int) -> StepScratch:
+        """Itself, with room for `num_tokens` rows in every buffer."""
+        if num_tokens > self.capacity:
+            self.capacity = max(num_tokens, 2 * self.capacity)
+            self.buffers = {
+                name: torch.empty(self.capacity, width, dtype=FLOAT32)
+                for name, width in self.widths.items()
+            }
+            addresses = {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
+            self.residual = addresses.pop("residual")
+            self.normed = addresses.pop("normed")
+            self.projected = addresses.pop("projected")
+            self.step_fields = addresses
+        return self
 
 
 def _describe_layer(layer: nn.Module, struct: c_decode.DecoderLayer) -> bool:
@@ -242,8 +322,41 @@ def _layer_norms(layer: nn.Module) -> tuple[nn.Module, nn.Module]:
     return layer.input_layernorm, layer.post_attention_layernorm
 
 
+def _embedding_fields(embedding: nn.Module) -> dict | None:
+    """DecoderStack's embedding fields for a VocabParallelEmbedding of one rank, or None
+    where its rows are not float32 (the model's dtype) or span several GGUF segments."""
+    if getattr(embedding, "tp_size", None) != 1 or embedding.weight.dtype != FLOAT32:
+        return None
+    gguf = embedding.gguf_weight
+    if gguf is None:
+        if not _is_float32(embedding.weight):
+            return None
+        return {
+            "embedding_type": c_decode.EMBEDDING_F32,
+            "embedding_rows": embedding.weight.data_ptr(),
+            "vocab_rows": embedding.weight.shape[0],
+        }
+    if len(gguf.segments) != 1:
+        return None
+    segment = gguf.segments[0]
+    return {
+        "embedding_type": segment.type_id,
+        "embedding_blocks": segment.blocks.data_ptr(),
+        "vocab_rows": segment.num_rows,
+    }
+
+
 def _is_float32(tensor: torch.Tensor) -> bool:
     return tensor.dtype == FLOAT32 and tensor.is_cpu and tensor.is_contiguous()
+
+
+def _one_float32_shape(kv_caches: Sequence[torch.Tensor]) -> bool:
+    shape = kv_caches[0].shape
+    return all(_is_float32(cache) and cache.shape == shape for cache in kv_caches)
+
+
+def _is_int64(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.int64 and tensor.is_cpu and tensor.is_contiguous()
 
 
 def enable_cpu_decoder(model: nn.Module) -> bool:

@@ -155,6 +155,10 @@ class GemmaRMSNorm(nn.Module):
         return (normalized * (1.0 + self.weight.float())).to(self.weight.dtype)
 
 
+# Rows the rotary angle table starts with (it doubles from there as positions need).
+MIN_ANGLE_TABLE_ROWS = 4096
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE angles for rotate-half (NEOX/HF) layout: `forward(positions)` -> float32 (cos, sin)
     [T, D / 2], the angles of the pairs (i, i + D / 2).
@@ -162,9 +166,13 @@ class RotaryEmbedding(nn.Module):
     `rope_scaling` None, {"rope_type": "linear", "factor"} or Llama 3's
     {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}, or {"rope_type": "gguf_freq_factors", "freq_factors"}
-    (llama.cpp's per-frequency divisors, one per rotary pair). Angles are computed on the fly,
-    so any position works.
+    (llama.cpp's per-frequency divisors, one per rotary pair). Any position works: on a GPU
+    the angles are computed on the fly (a captured graph replays them); on a CPU they are rows of
+    `angle_table`, which grows to the largest position asked for, so the Python layers and the C
+    decode driver (cpu_decoder.py) read the same bits.
     """
+
+    _angle_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None) -> None:
         super().__init__()
@@ -190,6 +198,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.is_cpu and positions.numel():
+            cos, sin = self.angle_table(int(positions.max()) + 1)
+            return cos[positions], sin[positions]
+        return self._angles(positions)
+
+    def angle_table(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (cos, sin) [P, D / 2] of positions 0 .. P - 1, P >= num_positions (CPU):
+        kept, and regrown to twice the size (at least) when a later call needs more rows."""
+        table = self._angle_table
+        if table is None or table[0].shape[0] < num_positions:
+            held = 0 if table is None else table[0].shape[0]
+            size = max(num_positions, 2 * held, MIN_ANGLE_TABLE_ROWS)
+            table = self._angles(torch.arange(size, device=self.inv_freq.device))
+            self._angle_table = table
+        return table
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return angles.cos(), angles.sin()
 

@@ -163,8 +163,8 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: token ids -> last hidden states.
 
     `cpu_decoder` (set by the CPU worker once the linears are packed, see
-    `enable_cpu_decoder`) runs the steps it takes from the embeddings to the final norm in one
-    C call, with the same result as the loop over the layers."""
+    `enable_cpu_decoder`) runs the steps it takes from the token ids to the final norm in one
+    C call, with the same result as the embedding and the loop over the layers."""
 
     cpu_decoder: CpuDecoderStack | None = None
 
@@ -186,26 +186,21 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.cpu_decoder is not None:
+            hidden_states = self.cpu_decoder.run(input_ids, positions, kv_caches, metadata)
+            if hidden_states is not None:
+                return hidden_states
         hidden_states, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary_emb(positions)
-        if self._decodes_in_c(hidden_states, kv_caches, metadata):
-            return self.cpu_decoder.run(hidden_states, cos_sin, kv_caches, metadata)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(hidden_states, residual, cos_sin, kv_cache, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
-    def _decodes_in_c(
-        self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor], metadata
-    ) -> bool:
-        return self.cpu_decoder is not None and self.cpu_decoder.takes(
-            hidden_states, kv_caches, metadata
-        )
-
     def enable_cpu_decoder(self) -> bool:
         """Describes the layers to the C decode driver when it runs all of them (a CPU model
         with packed linears); whether it does."""
-        self.cpu_decoder = CpuDecoderStack.of(list(self.layers), self.norm)
+        self.cpu_decoder = CpuDecoderStack.of(self)
         return self.cpu_decoder is not None
 
 
