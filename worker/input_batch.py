@@ -86,6 +86,10 @@ class InputBatch:
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
+        self.has_draft_tokens = False  # whether some row verifies drafts this step
+        # Bumped whenever a row gets, loses or moves a request: the key of the reusable metadata.
+        self._rows_version = 0
+        self._reusable_metadata: tuple[tuple, SamplingMetadata] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -115,6 +119,7 @@ class InputBatch:
         if row is None:
             return None
         self.req_ids[row] = None
+        self._rows_version += 1
         self.sampling_params[row] = None
         self.generators.pop(row, None)
         self.block_table.clear_row(row)
@@ -150,6 +155,7 @@ class InputBatch:
         every other row has none. Raises for a request not in the batch, or drafts that would
         reach past max_model_len."""
         self.num_draft_tokens[:] = 0
+        self.has_draft_tokens = any(req_id_to_draft_token_ids.values())
         for req_id, draft_token_ids in req_id_to_draft_token_ids.items():
             row = self.req_id_to_row.get(req_id)
             if row is None:
@@ -176,8 +182,27 @@ class InputBatch:
         With `num_draft_prefix`, entry i describes the position after row `rows[i]`'s history
         extended by its first `num_draft_prefix[i]` drafts: penalties count those drafts as
         output, min_tokens counts them, bad words may end in them. A row may appear several
-        times (once per position it verifies)."""
+        times (once per position it verifies).
+
+        Without drafts, a call for the same rows as the last call, when no row has had its
+        request changed since and none has metadata that depends on its history (penalties,
+        min_tokens, bad words), returns the last call's metadata object: its tensors are the
+        last transfer's, valid until the next one (see StepTransfer), which only a call that
+        builds new metadata makes."""
         row_list = rows.tolist()
+        key = (self._rows_version, tuple(row_list)) if num_draft_prefix is None else None
+        reusable = self._reusable_metadata
+        if key is not None and reusable is not None and reusable[0] == key:
+            return reusable[1]
+        metadata = self._build_sampling_metadata(rows, row_list, num_draft_prefix)
+        params = (self.sampling_params[row] for row in row_list)
+        static = key is not None and not any(map(_depends_on_history, params))
+        self._reusable_metadata = (key, metadata) if static else None
+        return metadata
+
+    def _build_sampling_metadata(
+        self, rows: np.ndarray, row_list: list[int], num_draft_prefix: np.ndarray | None
+    ) -> SamplingMetadata:
         params = [self.sampling_params[row] for row in row_list]
         history = self.num_tokens[rows].astype(np.int64)
         if num_draft_prefix is not None:
@@ -258,6 +283,7 @@ class InputBatch:
     def _set_sampling_params(
         self, row: int, params: SamplingParams, generator: torch.Generator | None
     ) -> None:
+        self._rows_version += 1
         self.sampling_params[row] = params
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k
@@ -269,6 +295,7 @@ class InputBatch:
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self.req_ids[src]
         assert req_id is not None and self.req_ids[dst] is None
+        self._rows_version += 1
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.req_id_to_row[req_id] = dst
         num_tokens = int(self.num_tokens[src])
@@ -292,6 +319,13 @@ class InputBatch:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _depends_on_history(params: SamplingParams | None) -> bool:
+    """Whether a row's sampling metadata changes as its history grows."""
+    return params is not None and bool(
+        params.has_penalties or params.min_tokens or params.bad_words_token_ids
+    )
 
 
 def _bad_word_endings(bad_words: list[list[int]], output: np.ndarray) -> list[int]:

@@ -75,6 +75,7 @@ class StepInputs:
     logits_indices: torch.Tensor
     num_scheduled: np.ndarray  # int64 [B]: tokens of each row this step
     num_draft_tokens: np.ndarray  # int64 [B]: drafts each row verifies this step
+    verifies_drafts: bool  # whether any row does
     first_token: np.ndarray  # int64 [B]: index of each row's first token among the T
 
 
@@ -366,9 +367,12 @@ class ModelRunner:
         self._check_scheduled_tokens_exist(seq_lens, num_tokens_with_drafts)
         self._check_drafts_are_verified(seq_lens, num_tokens_with_drafts, num_scheduled)
         sample_rows = np.flatnonzero((seq_lens == num_tokens_with_drafts) & (num_scheduled > 0))
-        num_verified = num_drafts[sample_rows] + 1
-        logits_indices = np.repeat(cu_num_scheduled[sample_rows] - num_verified, num_verified)
-        logits_indices += concatenated_ranges(num_verified)
+        if batch.has_draft_tokens:
+            num_verified = num_drafts[sample_rows] + 1
+            logits_indices = np.repeat(cu_num_scheduled[sample_rows] - num_verified, num_verified)
+            logits_indices += concatenated_ranges(num_verified)
+        else:
+            logits_indices = cu_num_scheduled[sample_rows] - 1
         tables = batch.block_table.block_tables
         (
             input_ids,
@@ -406,6 +410,7 @@ class ModelRunner:
             logits_indices=logits_indices_device,
             num_scheduled=num_scheduled,
             num_draft_tokens=num_drafts,
+            verifies_drafts=batch.has_draft_tokens,
             first_token=cu_num_scheduled - num_scheduled,
         )
 
@@ -436,23 +441,14 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         if len(inputs.sample_rows) == 0:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids)
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits = self.model.compute_logits(self._logits_rows(hidden_states, inputs))
         sample_rows = inputs.sample_rows.tolist()
-        draft_token_ids = (
-            [batch.draft_token_ids(row) for row in sample_rows]
-            if inputs.num_draft_tokens.any()
-            else [[]] * len(sample_rows)
-        )
+        metadata, draft_token_ids = self._verified_positions(inputs, sample_rows)
         request_errors = {}
         if self.structured_outputs is not None and self.structured_outputs.requests:
             request_errors = self.structured_outputs.mask_logits(
                 logits, [batch.req_ids[row] for row in sample_rows], draft_token_ids
             )
-        num_verified = inputs.num_draft_tokens[inputs.sample_rows] + 1
-        metadata = batch.sampling_metadata(
-            np.repeat(inputs.sample_rows, num_verified),
-            num_draft_prefix=concatenated_ranges(num_verified),
-        )
         output = self.rejection_sampler(logits, metadata, draft_token_ids)
         logprobs: list | None = None
         if any(entries is not None for entries in output.logprobs):
@@ -467,6 +463,30 @@ class ModelRunner:
             logprobs=logprobs,
             request_errors=request_errors,
         )
+
+    def _verified_positions(
+        self, inputs: StepInputs, sample_rows: list[int]
+    ) -> tuple[SamplingMetadata, list[list[int]]]:
+        """The sampling metadata of every position the sample rows verify (their last token,
+        then each draft but the last), and each sample row's drafts."""
+        batch = self.input_batch
+        if not inputs.verifies_drafts:
+            return batch.sampling_metadata(inputs.sample_rows), [[]] * len(sample_rows)
+        num_verified = inputs.num_draft_tokens[inputs.sample_rows] + 1
+        metadata = batch.sampling_metadata(
+            np.repeat(inputs.sample_rows, num_verified),
+            num_draft_prefix=concatenated_ranges(num_verified),
+        )
+        return metadata, [batch.draft_token_ids(row) for row in sample_rows]
+
+    @staticmethod
+    def _logits_rows(hidden_states: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """The hidden states of the rows the LM head runs over. `logits_indices` ascend
+        strictly within [0, T), so as many of them as tokens is every token in order (a decode
+        step without drafts): the states as they are, without a gather."""
+        if inputs.logits_indices.shape[0] == hidden_states.shape[0]:
+            return hidden_states
+        return hidden_states[inputs.logits_indices]
 
     def _report_compiled_grammars(
         self, output: ModelRunnerOutput, wait_s: float = 0.0

@@ -198,3 +198,47 @@ def test_drafts_are_cleared_by_the_next_step_and_bounded_by_max_model_len():
         batch.set_draft_token_ids({"a": [6, 7, 8, 9]})
     with pytest.raises(ValueError, match="drafts for request 'ghost', which is not scheduled"):
         batch.set_draft_token_ids({"ghost": [1]})
+
+
+def test_the_same_rows_reuse_their_metadata_until_a_row_changes():
+    """Decode steps of an unchanged batch reuse one metadata object; a row whose request
+    leaves, arrives or moves (condense) gets the new request's parameters."""
+    batch = make_batch()
+    batch.add_request(make_state("a", [1], [1], temperature=0.0))
+    batch.add_request(make_state("b", [1], [1], temperature=0.7, top_p=0.9, seed=3))
+    rows = np.array([0, 1])
+    first = batch.sampling_metadata(rows)
+    batch.append_token_ids(0, [4])
+    assert batch.sampling_metadata(np.array([0, 1])) is first
+    assert batch.sampling_metadata(np.array([1])) is not first
+    batch.remove_request("a")
+    batch.add_request(make_state("c", [1], [1], temperature=1.3, top_k=5))
+    replaced = batch.sampling_metadata(rows)
+    assert replaced.temperature.tolist() == pytest.approx([1.3, 0.7])
+    assert replaced.top_k.tolist() == [5, 0]
+    batch.remove_request("c")
+    batch.condense()  # "b" moves to row 0
+    moved = batch.sampling_metadata(np.array([0]))
+    assert moved.temperature.tolist() == pytest.approx([0.7])
+    assert list(moved.generators) == [0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"frequency_penalty": 0.5}, {"min_tokens": 3}, {"bad_words_token_ids": [[5, 6]]}],
+)
+def test_metadata_that_depends_on_the_history_is_built_every_step(params):
+    batch = make_batch()
+    row = batch.add_request(make_state("a", [1], [1], **params))
+    rows = np.array([row])
+    first = batch.sampling_metadata(rows)
+    batch.append_token_ids(row, [5])
+    second = batch.sampling_metadata(rows)
+    assert second is not first
+
+
+def test_metadata_of_verified_drafts_is_never_reused():
+    batch = make_batch()
+    batch.add_request(make_state("a", [1], [1]))
+    rows, prefix = np.array([0, 0]), np.array([0, 1])
+    assert batch.sampling_metadata(rows, prefix) is not batch.sampling_metadata(rows, prefix)
