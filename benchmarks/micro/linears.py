@@ -9,7 +9,8 @@ engine's default on this CPU unless --dtype):
   elsewhere) and plain `F.linear` (MKL, what a model without packing runs);
 - with `--quantization gguf`: the GGUF-block kernel (`kernels/cpu/gguf_matmul.c`) on the
   weights quantized to Q4_1 (the default model file's type), against the float32 kernels on
-  the same values dequantized (what the engine runs without --quantization).
+  the same values dequantized (what the engine runs without --quantization); and the same for
+  the LM head (49152 x 576 in Q8_0, the default file's tied embedding), timed on its own.
 
 Each timing runs the linears of all decoder layers in order (qkv, o, gate_up, down, 30 times
 for SmolLM2-135M), so the weights stream from memory as in a real step rather than sitting in
@@ -47,6 +48,7 @@ from core_engine.worker.model_executor.cpu_linear import pack_weight, packed_lin
 # (out_features, in_features) of one SmolLM2-135M decoder layer: qkv, o, gate_up, down
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 NUM_LAYERS = 30
+LM_HEAD_SHAPE = (49152, 576)  # SmolLM2's vocabulary x hidden (tied to the embedding)
 
 
 def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,22 +68,30 @@ def build_ways(num_layers: int, dtype: torch.dtype, quantization: str | None = N
         for shape in LAYER_SHAPES
     ]
     if quantization == "gguf":
-        return gguf_ways(weights)
+        return gguf_ways(weights, "Q4_1")
     return bf16_ways(weights) if dtype == torch.bfloat16 else float32_ways(weights)
 
 
-def gguf_ways(weights: list[torch.Tensor]) -> dict:
-    """The GGUF-block kernel on Q4_1 blocks, then the float32 ways on their dequantized values."""
+def lm_head_ways() -> dict:
+    """The GGUF-block kernel on a Q8_0 LM head (as the default file ships it), then the float32
+    ways on its dequantized values."""
+    generator = torch.Generator().manual_seed(1)
+    return gguf_ways([torch.randn(LM_HEAD_SHAPE, generator=generator)], "Q8_0")
+
+
+def gguf_ways(weights: list[torch.Tensor], type_name: str) -> dict:
+    """The GGUF-block kernel on blocks of `type_name`, then the float32 ways on their
+    dequantized values."""
     import gguf
 
-    q4_1 = gguf.GGMLQuantizationType.Q4_1
-    blocks = [gguf.quants.quantize(w.float().numpy() * 0.02, q4_1) for w in weights]
+    quant_type = gguf.GGMLQuantizationType[type_name]
+    blocks = [gguf.quants.quantize(w.float().numpy() * 0.02, quant_type) for w in weights]
     kernel = [
-        GgufMatmulWeight.of([GgufSegment(GGUF_MATMUL_TYPES["Q4_1"], torch.from_numpy(b))])
+        GgufMatmulWeight.of([GgufSegment(GGUF_MATMUL_TYPES[type_name], torch.from_numpy(b))])
         for b in blocks
     ]
-    ways = {"GGUF Q4_1 kernel": [lambda x, k=k: k.matmul(x) for k in kernel]}
-    dequantized = [torch.from_numpy(gguf.quants.dequantize(b, q4_1)).float() for b in blocks]
+    ways = {f"GGUF {type_name} kernel": [lambda x, k=k: k.matmul(x) for k in kernel]}
+    dequantized = [torch.from_numpy(gguf.quants.dequantize(b, quant_type)).float() for b in blocks]
     return ways | float32_ways(dequantized)
 
 
@@ -111,57 +121,68 @@ def float32_ways(weights: list[torch.Tensor]) -> dict:
     return ways
 
 
-def time_pass(linears: list, inputs: dict[int, torch.Tensor], repeats: int) -> float:
-    """Milliseconds per pass over every linear (median of `repeats` passes)."""
+def time_pass(
+    linears: list, in_features: list[int], inputs: dict[int, torch.Tensor], repeats: int
+) -> float:
+    """Milliseconds per pass over every linear, linear i on inputs[in_features[i]] (median of
+    `repeats` passes)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for (_, in_features), linear in zip(
-            LAYER_SHAPES * (len(linears) // 4), linears, strict=True
-        ):
-            linear(inputs[in_features])
+        for k, linear in zip(in_features, linears, strict=True):
+            linear(inputs[k])
         times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
 def measure(
-    rows_list: list[int],
-    num_layers: int,
-    repeats: int,
-    dtype: torch.dtype,
-    quantization: str | None = None,
+    rows_list: list[int], ways: dict, shapes: list[tuple[int, int]], repeats: int, dtype
 ) -> list[dict]:
-    ways = build_ways(num_layers, dtype, quantization)
+    """Per batch size, ms per pass of each way over linears of `shapes`, alternating ways."""
+    in_features = [k for _, k in shapes]
     results = []
     for rows in rows_list:
-        inputs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
+        inputs = {k: torch.randn(rows, k).to(dtype) for k in set(in_features)}
         for linears in ways.values():
-            time_pass(linears, inputs, 1)  # warm-up
-        ms = {name: time_pass(linears, inputs, repeats) for name, linears in ways.items()}
+            time_pass(linears, in_features, inputs, 1)  # warm-up
+        ms = {
+            name: time_pass(linears, in_features, inputs, repeats) for name, linears in ways.items()
+        }
         results.append({"rows": rows, "ms_per_pass": ms})
         print(f"rows {rows}: " + ", ".join(f"{name} {value:.2f} ms" for name, value in ms.items()))
     return results
 
 
 def render_markdown(result: dict) -> str:
-    names = list(result["rows"][0]["ms_per_pass"])
+    text = (
+        f"### Linears of {result['num_layers']} SmolLM2-135M layers on CPU "
+        f"({result['dtype']}{', GGUF blocks' if result.get('quantization') else ''}, "
+        f"{result['threads']} threads, weights streamed from memory)\n\n"
+        + ratio_table(result["rows"])
+    )
+    if result.get("lm_head_rows"):
+        text += (
+            f"\n\n### The LM head ({LM_HEAD_SHAPE[0]} x {LM_HEAD_SHAPE[1]}, Q8_0 as the default "
+            "file ships it)\n\n" + ratio_table(result["lm_head_rows"])
+        )
+    return text + (
+        "\n\nTime ratios above 1 are slower than the first way (the engine's). Median of "
+        f"{result['repeats']} passes per cell.\n"
+    )
+
+
+def ratio_table(rows: list[dict]) -> str:
+    names = list(rows[0]["ms_per_pass"])
     baseline = names[0]
     header = ["rows", *(f"{name} ms" for name in names), *(
         f"{name} / {baseline}" for name in names if name != baseline
     )]  # fmt: skip
     table_rows = []
-    for row in result["rows"]:
+    for row in rows:
         ms = row["ms_per_pass"]
         ratios = [f"{ms[name] / ms[baseline]:.2f}x" for name in names if name != baseline]
         table_rows.append([row["rows"], *(f"{ms[name]:.2f}" for name in names), *ratios])
-    return (
-        f"### Linears of {result['num_layers']} SmolLM2-135M layers on CPU "
-        f"({result['dtype']}{', GGUF blocks' if result.get('quantization') else ''}, "
-        f"{result['threads']} threads, weights streamed from memory)\n\n"
-        + markdown_table(header, table_rows)
-        + f"\n\nTime ratios above 1 are slower than the {baseline}. Median of "
-        f"{result['repeats']} passes per cell.\n"
-    )
+    return markdown_table(header, table_rows)
 
 
 def main() -> None:
@@ -173,7 +194,8 @@ def main() -> None:
         "--dtype", choices=["float32", "bfloat16"], default=None, help="default: the engine's"
     )
     parser.add_argument("--quantization", choices=["gguf"], default=None,
-                        help="gguf: the GGUF-block kernel on Q4_1 weights, against float32")  # fmt: skip
+                        help="gguf: the GGUF-block kernel on Q4_1 weights and a Q8_0 LM head, "
+                        "against float32")  # fmt: skip
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     threads = args.threads or default_num_threads()
@@ -190,8 +212,13 @@ def main() -> None:
         "quantization": args.quantization,
         "num_layers": num_layers,
         "repeats": repeats,
-        "rows": measure(rows_list, num_layers, repeats, torch_dtype(dtype_name), args.quantization),
     }
+    dtype = torch_dtype(dtype_name)
+    ways = build_ways(num_layers, dtype, args.quantization)
+    result["rows"] = measure(rows_list, ways, list(LAYER_SHAPES) * num_layers, repeats, dtype)
+    if args.quantization == "gguf":
+        del ways
+        result["lm_head_rows"] = measure(rows_list, lm_head_ways(), [LM_HEAD_SHAPE], repeats, dtype)
     name = "gguf_linears" if args.quantization else "linears"
     write_results(result, render_markdown(result), args.output_dir, result_name(name, args.quick))
 

@@ -233,10 +233,13 @@ def test_bench_linears_quick_times_every_way(tmp_path, dtype, torch_ways):
 def test_bench_linears_quick_times_the_gguf_kernel_against_float32(tmp_path):
     result = run_quick("micro.linears", "gguf_linears", tmp_path, "--quantization", "gguf")
     assert (result["dtype"], result["quantization"]) == ("float32", "gguf")
-    for row in result["rows"]:
-        ways = list(row["ms_per_pass"])
-        assert ways[0] == "GGUF Q4_1 kernel" and "oneDNN float32" in ways
-        assert all(ms > 0 for ms in row["ms_per_pass"].values())
+    for rows, kernel in ((result["rows"], "GGUF Q4_1 kernel"),
+                         (result["lm_head_rows"], "GGUF Q8_0 kernel")):  # fmt: skip
+        assert [row["rows"] for row in rows] == [1, 28]
+        for row in rows:
+            ways = list(row["ms_per_pass"])
+            assert ways[0] == kernel and "oneDNN float32" in ways
+            assert all(ms > 0 for ms in row["ms_per_pass"].values())
 
 
 @pytest.mark.slow
