@@ -217,3 +217,20 @@ def test_steps_of_growing_and_shrinking_batches_reuse_the_scratch_and_match_pyth
         in_c, took = run_step(model, tokens, computed, blocks, caches_c, in_c=True)
         in_python, _ = run_step(model, tokens, computed, blocks, caches, in_c=False)
         assert took and torch.equal(in_c, in_python)
+
+
+def test_caches_replaced_at_the_same_addresses_with_another_shape_are_bound_again():
+    """The driver keeps the caches' binding while they stay; caches of another shape at the
+    same addresses (as an allocator may hand back) must not keep the old block shape."""
+    model, config = load_packed(resolve_model_path(None), quantization="gguf")
+    assert enable_cpu_decoder(model)
+    batch, caches = decode_batch_and_caches(config, model)
+    decoder = model.model.cpu_decoder
+    assert decoder.takes(batch.input_ids, caches, batch.metadata)
+    assert decoder._step.attention.block_size == BLOCK_SIZE
+    two, blocks, block_size, heads, head_dim = caches[0].shape
+    reshaped = [c.view(two, blocks // 2, 2 * block_size, heads, head_dim) for c in caches]
+    assert reshaped[0].data_ptr() == caches[0].data_ptr()
+    decoder.takes(batch.input_ids, reshaped, batch.metadata)
+    assert decoder._step.attention.block_size == 2 * BLOCK_SIZE
+    assert decoder._step.attention.num_cache_blocks == blocks // 2

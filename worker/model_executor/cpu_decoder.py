@@ -67,7 +67,7 @@ class CpuDecoderStack:
             final_norm=model.norm.weight.data_ptr(),
             **embedding,
         )
-        self._bound_caches: list[int] = []
+        self._bound_caches: list = []  # the bound caches' addresses, then shape and dtype
         self._route: DecodeKernelRoute | None = None
         self._scratch = StepScratch(self._scratch_widths())
         self._step = c_decode.DecodeStep()
@@ -224,8 +224,11 @@ class CpuDecoderStack:
         """Points each layer's struct at its cache and the step at the caches' shape, when the
         driver takes them (one float32 contiguous cache per layer, all of one shape, that the
         decode kernel reads); their attention route, or None. Only when the caches change
-        does this do more than compare their addresses."""
+        (their addresses, or the first one's shape and dtype: a model's caches are allocated
+        and replaced together) does this do more than compare them."""
         addresses = list(map(torch.Tensor.data_ptr, kv_caches))
+        if addresses:
+            addresses += (kv_caches[0].shape, kv_caches[0].dtype)
         if addresses == self._bound_caches:
             return self._route
         self._bound_caches, self._route = [], None
@@ -234,7 +237,7 @@ class CpuDecoderStack:
         route = decode_kernel_route(self.num_q_heads, kv_caches[0])
         if route is None:
             return None
-        for struct, address in zip(self.layer_structs, addresses, strict=True):
+        for struct, address in zip(self.layer_structs, addresses[: len(kv_caches)], strict=True):
             struct.kv_cache = address
         attention = self._step.attention
         _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_caches[0].shape
