@@ -217,7 +217,7 @@ def main() -> None:
     ways = build_ways(num_layers, dtype, args.quantization)
     result["rows"] = measure(rows_list, ways, list(LAYER_SHAPES) * num_layers, repeats, dtype)
     if args.quantization == "gguf":
-        del ways
+        del ways  # the layers' weights go before the LM head's (113 MB a float32 way) arrive
         result["lm_head_rows"] = measure(rows_list, lm_head_ways(), [LM_HEAD_SHAPE], repeats, dtype)
     name = "gguf_linears" if args.quantization else "linears"
     write_results(result, render_markdown(result), args.output_dir, result_name(name, args.quick))

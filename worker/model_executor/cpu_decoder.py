@@ -175,9 +175,9 @@ class CpuDecoderStack:
         step.slot_mapping = metadata.slot_mapping.data_ptr()
         step.angle_cos, step.angle_sin = angle_cos.data_ptr(), angle_sin.data_ptr()
         step.angle_rows = angle_cos.shape[0]
-        self._set_attention(step.attention, plan)
-        step.attention_scratch_floats = plan.max_query_x_seq_len * self.num_q_heads
         step.num_threads = torch.get_num_threads()
+        self._set_attention(step.attention, plan, step.num_threads)
+        step.attention_scratch_floats = plan.max_query_x_seq_len * self.num_q_heads
         timing = self.part_seconds
         step.part_seconds = None if timing is None else ctypes.addressof(timing)
         step.lora_token_slots = self._lora_token_slots(tokens)
@@ -249,7 +249,7 @@ class CpuDecoderStack:
         return route
 
     @staticmethod
-    def _set_attention(attention: AttentionArgs, plan) -> None:
+    def _set_attention(attention: AttentionArgs, plan, num_threads: int) -> None:
         """The step's part of the attention arguments every layer shares (query, out and the
         cache are set per layer by the driver; the shapes by `_bind`), as
         backend.paged_attention fills them."""
@@ -259,7 +259,7 @@ class CpuDecoderStack:
         attention.requests = plan.short_requests.data_ptr()
         attention.block_table_stride = plan.block_table.shape[1]
         attention.num_requests = len(plan.short_requests)
-        attention.num_threads = torch.get_num_threads()
+        attention.num_threads = num_threads
 
 
 class StepScratch:
